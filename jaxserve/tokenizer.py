@@ -1,0 +1,164 @@
+"""Text <-> token ids: the tokenizer wrapper, chat templates, incremental detokenization and stop strings.
+
+`Tokenizer` wraps a transformers fast tokenizer built from a model directory (tokenizer.json and
+friends) or from a GGUF file's metadata (see `models/gguf.py`, which avoids torch). It knows every
+end-of-generation id: the tokenizer's eos, plus generation_config.json / config.json's
+`eos_token_id` in a directory, plus llama.cpp's eot/eom ids in a GGUF file.
+
+`IncrementalDetokenizer` turns a stream of generated ids into text deltas. A character that spans
+several byte-level tokens decodes to U+FFFD until its last byte arrives, so a delta ending in U+FFFD
+is held back until the next token completes it. Decoding restarts a few tokens before the unread
+part (not at the start of the sequence) so each step costs O(1); the restart window is decoded both
+with and without the new tokens and only the difference is emitted, so tokenizers whose decoding of a
+token depends on its neighbours (leading-space rules) stay consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded again before the first generated one: context for leading-space rules.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """A transformers tokenizer plus the model's end-of-generation ids."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        ids = list(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.insert(0, hf_tokenizer.eos_token_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in ids))
+
+    @classmethod
+    def from_source(cls, source: str | os.PathLike | None) -> Tokenizer:
+        """From a model directory with tokenizer files or a .gguf file (what `LoadedModel.tokenizer_source` holds)."""
+        if source is None:
+            raise ValueError(
+                "the model carries no tokenizer (no tokenizer.json / tokenizer_config.json next to its weights); "
+                "pass a directory that holds one"
+            )
+        path = Path(source)
+        if path.is_file() and path.suffix == ".gguf":
+            from models.gguf import gguf_tokenizer
+
+            hf_tokenizer, eos_ids = gguf_tokenizer(path)
+            return cls(hf_tokenizer, eos_ids)
+        if path.is_dir():
+            from transformers import AutoTokenizer
+
+            return cls(AutoTokenizer.from_pretrained(path), _directory_eos_ids(path))
+        raise FileNotFoundError(f"tokenizer source not found: {path} (expected a model directory or a .gguf file)")
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return len(self.hf_tokenizer)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf_tokenizer.bos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """Prompt ids for a conversation ([{"role": ..., "content": ...}, ...]) in the model's chat format."""
+        if chat_template is None and not self.hf_tokenizer.chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; encode() a plain prompt instead, "
+                "or pass chat_template= (a Jinja template)"
+            )
+        ids = self.hf_tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tokenize=True,
+            return_dict=False,
+        )
+        return list(ids)
+
+
+def _directory_eos_ids(directory: Path) -> list[int]:
+    """eos_token_id entries (an int or a list) of generation_config.json and config.json, when present."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        if (directory / name).is_file():
+            with open(directory / name) as f:
+                value = json.load(f).get("eos_token_id")
+            ids += [value] if isinstance(value, int) else list(value or [])
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing id sequence; feed generated ids one at a time with `add`.
+
+    Holds back a delta that ends in U+FFFD (an incomplete multi-byte character) until a later
+    token completes it; `flush` releases whatever is held back at the end of generation.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids)
+        self._prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
+        self._read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        """Appends one id; returns the text it completes ("" while a character is still incomplete)."""
+        self.ids.append(int(token_id))
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The held-back text, U+FFFD included: call once the sequence is finished."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT_CHAR) and not final):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index in `text` where the earliest stop string begins, or None; searching from `start`.
+
+    Pass the length of the text already checked minus (longest stop - 1) as `start` to keep
+    streaming checks linear.
+    """
+    hits = [i for stop in stops if stop and (i := text.find(stop, max(start, 0))) >= 0]
+    return min(hits) if hits else None
+
+
+def stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that begins some stop string: text a stream must not emit yet."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if stop.startswith(text[-n:]):
+                longest = n
+                break
+    return longest

@@ -1,0 +1,135 @@
+"""Attention inside a model's forward: the KV cache types, their metadata, and the one dispatch function.
+
+A family's forward calls `attention(...)` once per layer. Which implementation runs is decided by
+the type of the attention metadata (and of the cache that goes with it); today that is the dense
+reference path below. The paged path (the Pallas kernel over a block table) adds its own metadata
+type and one branch in `attention`, nowhere else.
+
+Dense reference path: a contiguous cache per sequence, `DenseKVCache(k, v)`, each [L, B, S, K, Dh]
+for the whole model; inside the layer scan every leaf has lost its leading L axis. A flat batch of
+T tokens is described by `DenseAttentionMetadata`: token t belongs to sequence seq_ids[t] at
+absolute position positions[t]; its K/V are written at cache[seq_ids[t], positions[t]] and it
+attends to the positions p' of its sequence with p' <= positions[t] (and p' > positions[t] - window
+under a sliding window). Every earlier position of that sequence must already be in the cache or in
+the same batch. It gathers a full [S] row of keys per token: simple and exact, not fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+class _CacheShape(Protocol):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class DenseKVCache:
+    """Contiguous K/V per sequence. [L, B, S, K, Dh] for the model; [B, S, K, Dh] for one layer."""
+
+    k: Float[Array, "L B S K Dh"]
+    v: Float[Array, "L B S K Dh"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class DenseAttentionMetadata:
+    """Which sequence (row of the dense cache) each token of the flat batch belongs to."""
+
+    seq_ids: Int[Array, " T"]
+
+
+def init_dense_cache(cfg: _CacheShape, batch: int, max_len: int, dtype: jnp.dtype) -> DenseKVCache:
+    """Zeroed cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return DenseKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def attention(
+    q: Float[Array, "T H Dh"],
+    k: Float[Array, "T K Dh"],
+    v: Float[Array, "T K Dh"],
+    positions: Int[Array, " T"],
+    kv_cache: DenseKVCache,
+    layer: Int[Array, ""],
+    meta: DenseAttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> tuple[Float[Array, "T H Dh"], DenseKVCache]:
+    """Writes layer `layer`'s new K/V into the whole-model cache, then attends; the one dispatch on `meta`'s type.
+
+    The cache travels whole through the layer scan (in its carry) rather than as per-layer slices:
+    slicing a layer out and stacking it back would copy the whole KV pool every step.
+    """
+    if isinstance(meta, DenseAttentionMetadata) and isinstance(kv_cache, DenseKVCache):
+        kv_cache = write_dense(kv_cache, layer, k, v, positions, meta)
+        layer_cache = DenseKVCache(k=kv_cache.k[layer], v=kv_cache.v[layer])
+        out = dense_attention(q, layer_cache, positions, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+        return out, kv_cache
+    raise TypeError(
+        f"no attention implementation for metadata {type(meta).__name__} with cache {type(kv_cache).__name__}"
+    )
+
+
+def write_dense(
+    kv_cache: DenseKVCache,
+    layer: Int[Array, ""],
+    k: Float[Array, "T K Dh"],
+    v: Float[Array, "T K Dh"],
+    positions: Int[Array, " T"],
+    meta: DenseAttentionMetadata,
+) -> DenseKVCache:
+    """Scatters each token's K/V to cache[layer, seq_ids[t], positions[t]]."""
+    dtype = kv_cache.k.dtype
+    new_k = kv_cache.k.at[layer, meta.seq_ids, positions].set(k.astype(dtype))
+    new_v = kv_cache.v.at[layer, meta.seq_ids, positions].set(v.astype(dtype))
+    return DenseKVCache(k=new_k, v=new_v)
+
+
+def dense_attention(
+    q: Float[Array, "T H Dh"],
+    layer_cache: DenseKVCache,
+    positions: Int[Array, " T"],
+    meta: DenseAttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> Float[Array, "T H Dh"]:
+    """Causal (optionally windowed) GQA attention of each token over its own sequence's cache row.
+
+    Scores and softmax in float32 (a bfloat16 softmax loses the small probabilities); the
+    probabilities are cast to the value dtype before the weighted sum, as Hugging Face does.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = layer_cache.k.shape[2]
+    group = num_heads // num_kv_heads
+    keys = layer_cache.k[meta.seq_ids]  # [T, S, K, Dh]
+    values = layer_cache.v[meta.seq_ids]
+    # Query head h reads kv head h // group (Hugging Face's repeat_kv order).
+    q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", q_grouped, keys, preferred_element_type=jnp.float32) * sm_scale
+    key_pos = jnp.arange(keys.shape[1])[None, :]
+    visible = key_pos <= positions[:, None]
+    if sliding_window is not None:
+        visible &= key_pos > positions[:, None] - sliding_window
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("tkgs,tskd->tkgd", probs, values)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+KVCache = DenseKVCache
+AttentionMetadata = DenseAttentionMetadata

@@ -1,0 +1,286 @@
+"""Shared building blocks of every model family: parameter specs, checkpoint rules, norms, rotary
+embeddings (every scaling variant of the dense families) and the gated MLP.
+
+Family files import these; nothing here knows about a particular architecture.
+
+Shape legend (used in einsum strings and jaxtyping annotations): T tokens (flat), B sequences,
+D model dim, F MLP hidden, V vocab, H query heads, K kv heads, Dh head dim, L layers, E experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """Shape and logical sharding axes of one weight; `sharding/rules.py` maps the axes to the mesh.
+
+    Logical axis names: "layers", "vocab", "embed" (D), "heads" (H), "kv_heads" (K), "head_dim" (Dh),
+    "mlp" (F), "experts" (E), or None for a dimension that is never split.
+    """
+
+    shape: tuple[int, ...]
+    logical_axes: tuple[str | None, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.logical_axes):
+            raise ValueError(f"ParamSpec shape {self.shape} and logical_axes {self.logical_axes} differ in rank")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRule:
+    """Maps checkpoint tensors (Hugging Face names) onto one field of a weights dataclass.
+
+    `pattern` is a regular expression matched against the whole Hugging Face tensor name; for a
+    stacked per-layer field it has exactly one group, the layer index. `field` is the dataclass
+    path, e.g. "layers.wq". `transform`:
+      - "linear": a torch Linear weight [out, in]; transposed to [in, out], then reshaped to the
+        field's per-layer shape (e.g. [D, H*Dh] -> [D, H, Dh]);
+      - "reshape": reshaped to the field's per-layer shape (biases, norms, embeddings).
+    """
+
+    pattern: str
+    field: str
+    transform: Literal["linear", "reshape"] = "reshape"
+
+
+def dataclass_field_names(obj: object) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# ----------------------------------------------------------------------------------------------
+
+RopeVariant = Literal["default", "linear", "dynamic", "llama3", "yarn"]
+_ROPE_VARIANTS: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters, one scaling variant of the ones Hugging Face uses for dense decoders.
+
+    `original_max_position_embeddings` is the context length the scaling is relative to: the
+    pretraining length for "llama3" and "yarn", the model's `max_position_embeddings` for "dynamic"
+    (that is what Hugging Face divides by). `attention_factor` (yarn only) scales cos and sin; None
+    derives it from `factor`, `mscale` and `mscale_all_dim` as Hugging Face does.
+    """
+
+    theta: float = 10000.0
+    variant: RopeVariant = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.variant not in _ROPE_VARIANTS:
+            raise ValueError(f"rope variant must be one of {_ROPE_VARIANTS}, got {self.variant!r}")
+        if not self.theta > 0:
+            raise ValueError(f"rope theta must be > 0, got {self.theta}")
+        if not self.factor > 0:
+            raise ValueError(f"rope factor must be > 0, got {self.factor}")
+        needs_length = self.variant in ("dynamic", "llama3", "yarn")
+        if needs_length and (self.original_max_position_embeddings or 0) < 1:
+            raise ValueError(
+                f"rope variant {self.variant!r} needs original_max_position_embeddings >= 1, "
+                f"got {self.original_max_position_embeddings}"
+            )
+        if self.variant == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"llama3 rope needs high_freq_factor > low_freq_factor, got {self.high_freq_factor} "
+                f"and {self.low_freq_factor}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict, *, max_position_embeddings: int) -> RopeConfig:
+        """Reads `rope_parameters` (transformers >= 5) or the older `rope_theta` + `rope_scaling`."""
+        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        variant = params.get("rope_type", params.get("type", "default"))
+        if variant not in _ROPE_VARIANTS:
+            raise ValueError(f"rope_type must be one of {_ROPE_VARIANTS}, got {variant!r}")
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor must be 1.0 for this family, got {partial}")
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        # Phi-3-style configs keep the pretraining length next to rope_scaling; Hugging Face prefers it.
+        original = hf.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+        if variant == "dynamic":
+            original = max_position_embeddings
+        elif variant in ("llama3", "yarn") and original is None:
+            original = max_position_embeddings
+        factor = params.get("factor")
+        if factor is None:
+            # Yarn without a factor (DeepSeek-style) stretches to max_position_embeddings.
+            factor = max_position_embeddings / original if variant == "yarn" else 1.0
+        return cls(
+            theta=float(theta),
+            variant=variant,
+            factor=float(factor),
+            original_max_position_embeddings=None if variant in ("default", "linear") else int(original),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            truncate=bool(params.get("truncate", True)),
+        )
+
+    def attention_scaling(self) -> float:
+        """Factor on cos and sin (so on q and k): 1.0 except for yarn."""
+        if self.variant != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
+        return get_mscale(self.factor)
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Blends interpolated (slow) and extrapolated (fast) frequencies with a linear ramp over dims."""
+    base, dim, original = rope.theta, head_dim, rope.original_max_position_embeddings
+    assert original is not None
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoids a division by zero, as Hugging Face does
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 / rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    interpolation = extrapolation / rope.factor
+    return interpolation * ramp + extrapolation * (1.0 - ramp)
+
+
+def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
+    """Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth blend in between."""
+    assert rope.original_max_position_embeddings is not None
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [Dh/2] (float32) of every variant except "dynamic", which depends on positions.
+
+    Computed on the host in float64 and rounded once, so they are the correctly rounded values.
+    """
+    if rope.variant == "dynamic":
+        raise ValueError("dynamic NTK rope depends on the positions; use rope_frequencies")
+    if rope.variant == "yarn":
+        return _yarn_inv_freq(rope, head_dim).astype(np.float32)
+    inv_freq = 1.0 / rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope.variant == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.variant == "llama3":
+        inv_freq = _llama3_inv_freq(rope, inv_freq)
+    return inv_freq.astype(np.float32)
+
+
+def _dynamic_inv_freq(rope: RopeConfig, head_dim: int, positions: Int[Array, " T"]) -> Float[Array, " Dh/2"]:
+    """Dynamic NTK: the base grows with the longest sequence in this batch.
+
+    Hugging Face recomputes `inv_freq` whenever max(position) + 1 exceeds the lengths it has seen,
+    and goes back to the unscaled frequencies below `max_position_embeddings`. Here the scale is a
+    pure function of this call's positions: seq_len = max(max(positions) + 1, max_position_embeddings)
+    over every token of the batch. During generation positions only grow, so this matches Hugging
+    Face step for step; keys already in the cache keep the rotation they were written with, as in
+    Hugging Face's cache. A consequence: a token's frequencies depend on the other sequences in its
+    batch once any of them is longer than max_position_embeddings.
+    """
+    original = rope.original_max_position_embeddings
+    assert original is not None
+    seq_len = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1.0, float(original))
+    base = rope.theta * ((rope.factor * seq_len / original) - (rope.factor - 1.0)) ** (head_dim / (head_dim - 2))
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    return 1.0 / base**exponents
+
+
+def rope_frequencies(
+    rope: RopeConfig, head_dim: int, positions: Int[Array, " T"]
+) -> tuple[Float[Array, "T Dh/2"], Float[Array, "T Dh/2"]]:
+    """cos and sin of position * inv_freq, in float32, already multiplied by the attention scaling.
+
+    float32 on purpose: positions reach 1e5 and beyond, and in bfloat16 (8 mantissa bits) the angle
+    position * inv_freq would be off by whole radians, scrambling exactly the relative positions
+    rope exists to encode.
+    """
+    if rope.variant == "dynamic":
+        inv_freq = _dynamic_inv_freq(rope, head_dim, positions)
+    else:
+        inv_freq = jnp.asarray(rope_inv_freq(rope, head_dim))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    scaling = rope.attention_scaling()
+    return jnp.cos(angles) * scaling, jnp.sin(angles) * scaling
+
+
+def apply_rope(
+    x: Float[Array, "T N Dh"], cos: Float[Array, "T Dh/2"], sin: Float[Array, "T Dh/2"]
+) -> Float[Array, "T N Dh"]:
+    """Rotate-half (NeoX / Hugging Face) convention: dims i and i + Dh/2 form a rotating pair.
+
+    Computed in float32 for the same reason as `rope_frequencies`; the result has x's dtype.
+    """
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Norms and MLP
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: Float[Array, "... D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "... D"]:
+    """RMSNorm over the last axis, statistics in float32.
+
+    The weight multiplies after the cast back to x's dtype, as Hugging Face Llama does; multiplying
+    before the cast rounds differently in bfloat16 and drifts from the reference.
+    """
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed.astype(x.dtype) * weight).astype(x.dtype)
+
+
+def gated_mlp(
+    x: Float[Array, "T D"], w_gate: Float[Array, "D F"], w_up: Float[Array, "D F"], w_down: Float[Array, "F D"]
+) -> Float[Array, "T D"]:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    gate = jnp.einsum("td,df->tf", x, w_gate)
+    up = jnp.einsum("td,df->tf", x, w_up)
+    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)

@@ -1,0 +1,326 @@
+"""GGUF checkpoints (llama.cpp's single-file format): config, tensors and tokenizer.
+
+A GGUF file carries no config.json and no tokenizer.json: its metadata is both. This module turns
+that metadata into a Hugging Face config dict (so the registry and the family's `from_hf` apply
+unchanged) and into a transformers fast tokenizer, and streams the tensors dequantised to float32
+under their Hugging Face names, so `models/loader.py` assembles them with the family's ordinary
+checkpoint rules.
+
+Two llama.cpp conventions are undone here:
+  - ggml lists a tensor's dims fastest-moving first; `GGUFReader` already hands numpy arrays in
+    row-major order, i.e. a Linear weight comes back as Hugging Face's [out, in];
+  - for the "llama" architecture, `convert_hf_to_gguf.py` permutes the rows of q_proj and k_proj
+    (per head, it interleaves the two rotary halves because llama.cpp's rope rotates adjacent
+    pairs); we permute them back so the Hugging Face (half-split) rope applies.
+
+Llama 3.x files store their rope scaling as a `rope_freqs.weight` tensor of per-frequency divisors
+instead of metadata; we recover the "llama3" scaling parameters from it and check that they
+reproduce the tensor exactly, and refuse the file otherwise.
+
+Building the tokenizer does not go through `AutoTokenizer.from_pretrained(..., gguf_file=...)`:
+that path imports torch (transformers' GGUF reader needs it). We read the metadata with the `gguf`
+package and hand it to transformers' torch-free GGUF tokenizer converter instead.
+
+Parsing a GGUF file's metadata (a vocabulary of ~50k strings) takes seconds, so the parsed reader of
+the last two files is kept: loading a model and then its tokenizer parses the file once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# general.architecture -> Hugging Face `architectures` name and `model_type`. llama.cpp converts
+# Mistral 7B as "llama" and runs it with full attention; we read it the same way.
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses, e.g. Mistral).
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ROPE_FREQS = "rope_freqs.weight"
+# The pretraining context and band limits every Llama 3.x conversion uses (convert_hf_to_gguf.py).
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# tokenizer.* metadata key -> the key transformers' GGUF tokenizer converter reads.
+_TOKENIZER_KEYS = {
+    "ggml.model": "tokenizer_type",
+    "ggml.pre": "pre_tokenizer_type",
+    "ggml.tokens": "tokens",
+    "ggml.scores": "scores",
+    "ggml.token_type": "token_type",
+    "ggml.merges": "merges",
+    "ggml.precompiled_charsmap": "precompiled_charsmap",
+    "ggml.bos_token_id": "bos_token_id",
+    "ggml.eos_token_id": "eos_token_id",
+    "ggml.unknown_token_id": "unk_token_id",
+    "ggml.padding_token_id": "pad_token_id",
+    "ggml.add_space_prefix": "add_prefix_space",
+}
+_SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+# End-of-generation ids llama.cpp stops on besides eos (Llama 3's <|eot_id|>, <|eom_id|>).
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name):
+        layer, part, kind = m.groups()
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    elif m := re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name):
+        part, kind = m.groups()
+        if part in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[part]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in models/gguf.py")
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `LlamaModel.permute` on q/k rows (or a q/k bias): [H*Dh, ...] in both."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _field_value(field: Any) -> Any:
+    """One metadata value as Python (str, int, float, bool or a list of them), for any gguf version."""
+    from gguf import GGUFValueType
+
+    def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
+        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return scalar(field.parts[field.data[0]], field.types[0])
+
+
+def read_metadata(reader: Any, *, skip_arrays: bool = True) -> dict[str, Any]:
+    """Metadata key -> value; big arrays (the vocabulary) are left out unless asked for."""
+    from gguf import GGUFValueType
+
+    metadata = {}
+    for key, field in reader.fields.items():
+        if skip_arrays and field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
+            continue
+        metadata[key] = _field_value(field)
+    return metadata
+
+
+def gguf_reader(path: str | os.PathLike) -> Any:
+    """A `gguf.GGUFReader` for the file; parsed once per file version (parsing the vocabulary takes seconds),
+    so loading a model and then its tokenizer reads the metadata once."""
+    path = Path(path).absolute()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    stat = path.stat()
+    return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
+    from gguf import GGUFReader
+
+    del mtime_ns, size  # part of the cache key only: a rewritten file is parsed again
+    return GGUFReader(path)
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    """An open GGUF file: its Hugging Face config and a stream of its tensors under Hugging Face names."""
+
+    path: Path
+    hf_config: dict
+    reader: Any  # gguf.GGUFReader (memory-mapped)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, float32 array), one tensor dequantised at a time."""
+        from gguf.quants import dequantize
+
+        architecture = self.reader.fields["general.architecture"]
+        permuted = _field_value(architecture) in _PERMUTED_ARCHITECTURES
+        heads = {"q": self.hf_config["num_attention_heads"], "k": self.hf_config["num_key_value_heads"]}
+        for tensor in self.reader.tensors:
+            if tensor.name == _ROPE_FREQS:
+                continue  # already turned into hf_config["rope_scaling"]
+            name = hf_tensor_name(tensor.name)
+            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+            if permuted and (m := re.search(r"\.attn_([qk])\.", tensor.name)):
+                array = unpermute_rotary(array, heads[m.group(1)])
+            yield name, array
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Reads a GGUF file's metadata and tensor table (tensors stay memory-mapped until iterated)."""
+    path = Path(path)
+    reader = gguf_reader(path)
+    metadata = read_metadata(reader)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    rope_divisors = None
+    if rope_freqs is not None:
+        from gguf.quants import dequantize
+
+        rope_divisors = dequantize(rope_freqs.data, rope_freqs.tensor_type).astype(np.float32).reshape(-1)
+    return GGUFCheckpoint(path=path, hf_config=hf_config_from_metadata(metadata, shapes, rope_divisors), reader=reader)
+
+
+def hf_config_from_metadata(
+    metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], rope_divisors: np.ndarray | None = None
+) -> dict:
+    """A Hugging Face config.json dict from GGUF metadata and the shapes of its tensors ([out, in] order)."""
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: "
+            f"{', '.join(supported_architectures())}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{name}")
+        return value
+
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    config = {
+        "architectures": [_ARCHITECTURES[arch][0]],
+        "model_type": _ARCHITECTURES[arch][1],
+        # The embedding's rows are the truth; tokenizer lists and vocab_size keys can disagree with it.
+        "vocab_size": tensor_shapes["token_embd.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        # llama.cpp writes the output projection only when it is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "hidden_act": "silu",
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+    }
+    rope_scaling = _rope_scaling(metadata, arch, config, rope_divisors)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(metadata: dict, arch: str, config: dict, rope_divisors: np.ndarray | None) -> dict | None:
+    """Hugging Face rope_scaling from the rope.scaling.* keys or a Llama 3 rope_freqs tensor; None if unscaled."""
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if rope_divisors is not None:
+        if kind not in ("none", "llama3"):
+            raise ValueError(f"GGUF file has both {_ROPE_FREQS} and rope.scaling.type {kind!r}")
+        return llama3_rope_scaling(rope_divisors, config["rope_theta"], config["head_dim"])
+    if kind == "none":
+        return None
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        scaling = {"rope_type": "yarn", "factor": factor}
+        return scaling if original is None else scaling | {"original_max_position_embeddings": int(original)}
+    raise ValueError(f"GGUF {arch}.rope.scaling.type must be one of none, linear, yarn; got {kind!r}")
+
+
+def llama3_divisors(theta: float, head_dim: int, factor: float) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as rope_freqs.weight for Llama 3 rope scaling."""
+    low, high = _LLAMA3_ROPE["low_freq_factor"], _LLAMA3_ROPE["high_freq_factor"]
+    original = _LLAMA3_ROPE["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(divisors, np.float32)
+
+
+def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict:
+    """Recovers Llama 3 rope_scaling from rope_freqs.weight; refuses a tensor those parameters do not reproduce."""
+    factor = float(divisors.max())
+    expected = llama3_divisors(theta, head_dim, factor)
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-5, atol=0):
+        raise ValueError(
+            f"GGUF {_ROPE_FREQS} does not match Llama 3 rope scaling with factor {factor} and {_LLAMA3_ROPE}; "
+            "this rope variant is not supported"
+        )
+    return {"rope_type": "llama3", "factor": round(factor, 6), **_LLAMA3_ROPE}
+
+
+def gguf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
+    """(transformers fast tokenizer, end-of-generation token ids) built from a GGUF file's metadata, without torch."""
+    from transformers import PreTrainedTokenizerFast
+
+    metadata = read_metadata(gguf_reader(path), skip_arrays=False)
+    tokenizer_dict = {
+        new: metadata[f"tokenizer.{old}"] for old, new in _TOKENIZER_KEYS.items() if f"tokenizer.{old}" in metadata
+    }
+    if "tokens" not in tokenizer_dict:
+        raise ValueError(f"GGUF file {path} has no tokenizer.ggml.tokens: it carries no tokenizer")
+    backend, extra = _convert_gguf_tokenizer()(metadata["general.architecture"], tokenizer_dict)
+    tokens = tokenizer_dict["tokens"]
+    special = {
+        name: tokens[metadata[f"tokenizer.ggml.{key}_token_id"]]
+        for name, key in _SPECIAL_TOKENS.items()
+        if f"tokenizer.ggml.{key}_token_id" in metadata
+    }
+    # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", tokenizer_dict.get("tokenizer_type") == "llama")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=metadata.get("tokenizer.chat_template"),
+        add_bos_token=add_bos,
+        add_eos_token=metadata.get("tokenizer.ggml.add_eos_token", False),
+        **special,
+        **extra,
+    )
+    eos_ids = tuple(dict.fromkeys(int(metadata[k]) for k in _EOS_KEYS if k in metadata))
+    return tokenizer, eos_ids
+
+
+def _convert_gguf_tokenizer() -> Any:
+    """transformers' GGUF tokenizer converter: it moved between transformers 4 and 5."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+    return convert_gguf_tokenizer

@@ -1,0 +1,330 @@
+"""The dense decoder family: Llama (2, 3, 3.1, 3.2, SmolLM, TinyLlama), Mistral, Qwen2/2.5 and Qwen3.
+
+One architecture with three flags: `attention_bias` (Qwen2's q/k/v bias), `qk_norm` (Qwen3's
+RMSNorm of q and k over the head dim, before rope) and `sliding_window` (Mistral). Owns the config,
+the weights dataclasses, their parameter specs, the Hugging Face checkpoint names, random init and
+the forward pass; shared blocks come from `models/common.py`, attention from `models/attention.py`.
+
+Einsum letters: t tokens, d model dim (D), h query heads (H), k kv heads (K), e head dim (Dh),
+f MLP hidden (F), v vocab (V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.attention import AttentionMetadata, KVCache, attention
+from models.common import CheckpointRule, ParamSpec, RopeConfig, apply_rope, gated_mlp, rms_norm, rope_frequencies
+
+# Hugging Face defaults for keys a config.json may omit, per model_type.
+_HF_DEFAULTS: dict[str, dict] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
+}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """Static model shape and flags; hashable, so it can be a jit static argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be an even number >= 2 (rope rotates pairs), got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None (full attention) or >= 1, got {self.sliding_window}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> LlamaConfig:
+        """From a Hugging Face config.json dict of a llama, mistral, qwen2 or qwen3 model."""
+        model_type = _model_type(hf)
+        # A null value means "the default", except for sliding_window, where null means full attention.
+        hf = {**_HF_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None or k == "sliding_window"}}
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for {model_type}, got {hf['hidden_act']!r}")
+        if hf.get("mlp_bias", False):
+            raise ValueError(f"mlp_bias must be false for {model_type}: MLP biases are not supported")
+        if model_type in ("llama", "qwen3") and hf.get("attention_bias", False):
+            raise ValueError(
+                f"attention_bias must be false for {model_type}: its o_proj bias has no field in LayerWeights"
+            )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"Hugging Face config lacks required keys {missing}")
+        num_heads = hf["num_attention_heads"]
+        max_positions = hf["max_position_embeddings"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads", num_heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf, max_position_embeddings=max_positions),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=_sliding_window(hf, model_type),
+            attention_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def _model_type(hf: dict) -> str:
+    model_type = hf.get("model_type")
+    if model_type is None:
+        architectures = hf.get("architectures") or []
+        model_type = next((_MODEL_TYPES[a] for a in architectures if a in _MODEL_TYPES), None)
+    if model_type not in _HF_DEFAULTS:
+        raise ValueError(
+            f"model_type must be one of {sorted(_HF_DEFAULTS)} for the llama family, "
+            f"got {model_type!r} (architectures {hf.get('architectures')})"
+        )
+    return model_type
+
+
+def _sliding_window(hf: dict, model_type: str) -> int | None:
+    """One window for every layer, or None; per-layer mixes (Qwen2's max_window_layers) are rejected."""
+    if model_type == "llama":
+        return None  # Hugging Face Llama ignores any sliding_window key
+    if model_type == "mistral":
+        return hf.get("sliding_window")
+    num_layers = hf["num_hidden_layers"]
+    if hf.get("layer_types"):
+        kinds = set(hf["layer_types"])
+    elif not hf.get("use_sliding_window", False):
+        kinds = {"full_attention"}
+    else:
+        kinds = {"sliding_attention" if i >= hf["max_window_layers"] else "full_attention" for i in range(num_layers)}
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and hf.get("sliding_window"):
+        return hf["sliding_window"]
+    raise ValueError(
+        f"layer_types / use_sliding_window / max_window_layers must give the same attention to every layer "
+        f"(all full or all sliding with a sliding_window), got {sorted(kinds)} with sliding_window "
+        f"{hf.get('sliding_window')}"
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """Every decoder layer's weights, stacked on a leading L axis (scanned with lax.scan)."""
+
+    attn_norm: Float[Array, "L D"]
+    wq: Float[Array, "L D H Dh"]
+    wk: Float[Array, "L D K Dh"]
+    wv: Float[Array, "L D K Dh"]
+    wo: Float[Array, "L H Dh D"]
+    bq: Float[Array, "L H Dh"] | None
+    bk: Float[Array, "L K Dh"] | None
+    bv: Float[Array, "L K Dh"] | None
+    q_norm: Float[Array, "L Dh"] | None
+    k_norm: Float[Array, "L Dh"] | None
+    mlp_norm: Float[Array, "L D"]
+    w_gate: Float[Array, "L D F"]
+    w_up: Float[Array, "L D F"]
+    w_down: Float[Array, "L F D"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class LlamaWeights:
+    """The whole model; lm_head None means tied to embed."""
+
+    embed: Float[Array, "V D"]
+    layers: LayerWeights
+    final_norm: Float[Array, " D"]
+    lm_head: Float[Array, "D V"] | None
+
+
+def param_specs(cfg: LlamaConfig) -> LlamaWeights:
+    """The weights tree with a ParamSpec (shape, logical axes) at every leaf, None where a field is absent."""
+    n_layers, d, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    bias, qk_norm = cfg.attention_bias, cfg.qk_norm
+    layers = LayerWeights(
+        attn_norm=ParamSpec((n_layers, d), ("layers", "embed")),
+        wq=ParamSpec((n_layers, d, h, dh), ("layers", "embed", "heads", "head_dim")),
+        wk=ParamSpec((n_layers, d, k, dh), ("layers", "embed", "kv_heads", "head_dim")),
+        wv=ParamSpec((n_layers, d, k, dh), ("layers", "embed", "kv_heads", "head_dim")),
+        wo=ParamSpec((n_layers, h, dh, d), ("layers", "heads", "head_dim", "embed")),
+        bq=ParamSpec((n_layers, h, dh), ("layers", "heads", "head_dim")) if bias else None,
+        bk=ParamSpec((n_layers, k, dh), ("layers", "kv_heads", "head_dim")) if bias else None,
+        bv=ParamSpec((n_layers, k, dh), ("layers", "kv_heads", "head_dim")) if bias else None,
+        q_norm=ParamSpec((n_layers, dh), ("layers", "head_dim")) if qk_norm else None,
+        k_norm=ParamSpec((n_layers, dh), ("layers", "head_dim")) if qk_norm else None,
+        mlp_norm=ParamSpec((n_layers, d), ("layers", "embed")),
+        w_gate=ParamSpec((n_layers, d, f), ("layers", "embed", "mlp")),
+        w_up=ParamSpec((n_layers, d, f), ("layers", "embed", "mlp")),
+        w_down=ParamSpec((n_layers, f, d), ("layers", "mlp", "embed")),
+    )
+    return LlamaWeights(
+        embed=ParamSpec((v, d), ("vocab", "embed")),
+        layers=layers,
+        final_norm=ParamSpec((d,), ("embed",)),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")),
+    )
+
+
+def checkpoint_rules(cfg: LlamaConfig) -> list[CheckpointRule]:
+    """Hugging Face tensor names -> weight fields; exactly the tensors this config's checkpoint holds."""
+    layer = r"model\.layers\.(\d+)\."
+    rules = [
+        CheckpointRule(r"model\.embed_tokens\.weight", "embed"),
+        CheckpointRule(r"model\.norm\.weight", "final_norm"),
+        CheckpointRule(layer + r"input_layernorm\.weight", "layers.attn_norm"),
+        CheckpointRule(layer + r"self_attn\.q_proj\.weight", "layers.wq", "linear"),
+        CheckpointRule(layer + r"self_attn\.k_proj\.weight", "layers.wk", "linear"),
+        CheckpointRule(layer + r"self_attn\.v_proj\.weight", "layers.wv", "linear"),
+        CheckpointRule(layer + r"self_attn\.o_proj\.weight", "layers.wo", "linear"),
+        CheckpointRule(layer + r"post_attention_layernorm\.weight", "layers.mlp_norm"),
+        CheckpointRule(layer + r"mlp\.gate_proj\.weight", "layers.w_gate", "linear"),
+        CheckpointRule(layer + r"mlp\.up_proj\.weight", "layers.w_up", "linear"),
+        CheckpointRule(layer + r"mlp\.down_proj\.weight", "layers.w_down", "linear"),
+    ]
+    if cfg.attention_bias:
+        rules += [CheckpointRule(layer + rf"self_attn\.{p}_proj\.bias", f"layers.b{p}") for p in "qkv"]
+    if cfg.qk_norm:
+        rules += [CheckpointRule(layer + rf"self_attn\.{p}_norm\.weight", f"layers.{p}_norm") for p in "qk"]
+    if not cfg.tie_word_embeddings:
+        rules.append(CheckpointRule(r"lm_head\.weight", "lm_head", "linear"))
+    return rules
+
+
+# Fan-in of each matrix: weights start at N(0, 1 / fan_in) so activations keep unit scale at any size.
+def _fan_in(cfg: LlamaConfig, name: str) -> int:
+    return {"wo": cfg.num_heads * cfg.head_dim, "w_down": cfg.intermediate_size}.get(name, cfg.hidden_size)
+
+
+@partial(jax.jit, static_argnames=("cfg", "dtype"))
+def init_weights(cfg: LlamaConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> LlamaWeights:
+    """Random weights for tests and benchmarks: norms 1, biases 0, matrices N(0, 1/fan_in).
+
+    Jitted, so each matrix is drawn straight into `dtype` without a float32 copy of the whole model.
+    """
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg))
+    keys = jax.random.split(key, len(leaves_with_paths))
+    leaves = []
+    for (path, spec), leaf_key in zip(leaves_with_paths, keys, strict=True):
+        name = path[-1].name
+        if name.endswith("norm"):
+            leaves.append(jnp.ones(spec.shape, dtype))
+        elif name in ("bq", "bk", "bv"):
+            leaves.append(jnp.zeros(spec.shape, dtype))
+        else:
+            scale = _fan_in(cfg, name) ** -0.5
+            leaves.append((jax.random.normal(leaf_key, spec.shape, jnp.float32) * scale).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def attention_block(
+    layer: LayerWeights,
+    x: Float[Array, "T D"],
+    positions: Int[Array, " T"],
+    cos: Float[Array, "T Dh/2"],
+    sin: Float[Array, "T Dh/2"],
+    kv_cache: KVCache,
+    layer_index: Int[Array, ""],
+    attn_meta: AttentionMetadata,
+    cfg: LlamaConfig,
+) -> tuple[Float[Array, "T D"], KVCache]:
+    """Self-attention of one layer (weights without the L axis) on the normed input x."""
+    q = jnp.einsum("td,dhe->the", x, layer.wq)
+    k = jnp.einsum("td,dke->tke", x, layer.wk)
+    v = jnp.einsum("td,dke->tke", x, layer.wv)
+    if layer.bq is not None:
+        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+    if layer.q_norm is not None:
+        # Qwen3 normalises each head before rope, so rope sees unit-scale vectors.
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out, kv_cache = attention(
+        q,
+        k,
+        v,
+        positions,
+        kv_cache,
+        layer_index,
+        attn_meta,
+        sm_scale=cfg.head_dim**-0.5,
+        sliding_window=cfg.sliding_window,
+    )
+    return jnp.einsum("the,hed->td", out, layer.wo), kv_cache
+
+
+def forward(
+    weights: LlamaWeights,
+    token_ids: Int[Array, " T"],
+    positions: Int[Array, " T"],
+    kv_cache: KVCache,
+    attn_meta: AttentionMetadata,
+    cfg: LlamaConfig,
+) -> tuple[Float[Array, "T D"], KVCache]:
+    """Final-normed hidden states of a flat token batch, and the cache with this batch's K/V written."""
+    x = jnp.take(weights.embed, token_ids, axis=0)
+    cos, sin = rope_frequencies(cfg.rope, cfg.head_dim, positions)
+
+    def layer_step(
+        carry: tuple[Array, KVCache], layer_and_index: tuple[LayerWeights, Array]
+    ) -> tuple[tuple[Array, KVCache], None]:
+        x, kv_cache = carry
+        layer, index = layer_and_index
+        normed = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        attn_out, kv_cache = attention_block(layer, normed, positions, cos, sin, kv_cache, index, attn_meta, cfg)
+        h = x + attn_out
+        out = h + gated_mlp(rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate, layer.w_up, layer.w_down)
+        return (out, kv_cache), None
+
+    # The whole cache rides in the carry (updated in place); each layer finds its part by index.
+    layer_indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights.layers, layer_indices))
+    return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), kv_cache
+
+
+def compute_logits(weights: LlamaWeights, hidden: Float[Array, "T D"], cfg: LlamaConfig) -> Float[Array, "T V"]:
+    """float32 logits; a tied model projects with the embedding matrix."""
+    del cfg  # same signature as families that soft-cap their logits
+    if weights.lm_head is None:
+        return jnp.einsum("td,vd->tv", hidden, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("td,dv->tv", hidden, weights.lm_head, preferred_element_type=jnp.float32)

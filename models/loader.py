@@ -1,0 +1,462 @@
+"""Checkpoint loading: Hugging Face safetensors directories, GGUF files, orbax checkpoints and in-memory
+parameter trees, all into a family's weights dataclass (see `models/llama.py` for the protocol).
+
+Every source goes through one assembly step, `load_from_tensors`: each tensor name is matched
+against the family's `checkpoint_rules(cfg)`, transposed / reshaped as its rule says, checked
+against `param_specs(cfg)` and written into its field, per-layer tensors into their slot of the
+stacked [L, ...] array. It fails loudly, naming the tensor or field: a tensor no rule matches, the
+same tensor twice, a missing tensor or layer, a wrong shape. Tensors are read and converted one at
+a time, so the host holds one copy of the model in the target dtype plus one tensor.
+
+Orbax layout, written by `save_orbax` and recognised by `models/hub.py`:
+    <dir>/config.json   the Hugging Face config (the registry picks family and config from it)
+    <dir>/params/       an orbax StandardCheckpointer checkpoint of the weights dataclass pytree
+    <dir>/tokenizer*    tokenizer files, when saved with one (tokenizer.json, tokenizer_config.json, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from models.common import CheckpointRule, ParamSpec
+
+DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+ORBAX_PARAMS_DIR = "params"
+# Tensors some checkpoints carry that no model needs: rope tables are recomputed from the config.
+_HARMLESS_TENSORS = re.compile(r"(.*\.)?rotary_emb\.inv_freq")
+# A directory holds a tokenizer when it has one of these (generation_config.json alone is not one).
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Files that make a directory's tokenizer (copied next to an orbax checkpoint).
+_TOKENIZER_FILES = re.compile(
+    r"tokenizer.*|special_tokens_map\.json|vocab\.json|merges\.txt|generation_config\.json|chat_template\.jinja|.*\.model"
+)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: family module, its config, weights on device, and where its tokenizer lives.
+
+    `tokenizer_source` is what `jaxserve.tokenizer.Tokenizer.from_source` takes: a directory with
+    tokenizer files or a .gguf file; None when the checkpoint carries no tokenizer.
+    """
+
+    family: ModuleType
+    config: Any
+    weights: Any
+    hf_config: dict
+    tokenizer_source: str | None
+    source: str
+
+
+def numpy_dtype(dtype: str) -> Any:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedModel:
+    """Loads a local Hugging Face directory, a .gguf file, an orbax directory, the default model or a hub id."""
+    from models import gguf, registry
+    from models.hub import resolve_model_source
+
+    np_dtype = numpy_dtype(dtype)
+    resolved = resolve_model_source(source)
+    path = resolved.path
+    if resolved.kind == "gguf":
+        checkpoint = gguf.open_gguf(path)
+        family, cfg = registry.resolve(checkpoint.hf_config)
+        weights = _assemble(family, cfg, checkpoint.tensors(), np_dtype)
+        return LoadedModel(family, cfg, weights, checkpoint.hf_config, str(path), str(source))
+    hf_config = read_hf_config(path)
+    family, cfg = registry.resolve(hf_config)
+    if resolved.kind == "orbax":
+        weights = load_orbax(path / ORBAX_PARAMS_DIR, family, cfg, dtype)
+    else:
+        weights = _assemble(family, cfg, SafetensorsCheckpoint(path).tensors(), np_dtype)
+    tokenizer_source = str(path) if any((path / name).is_file() for name in _TOKENIZER_MARKERS) else None
+    return LoadedModel(family, cfg, weights, hf_config, tokenizer_source, str(source))
+
+
+def read_hf_config(directory: Path) -> dict:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+# --- safetensors -------------------------------------------------------------------------------
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate tensor {key!r} in model.safetensors.index.json")
+        seen[key] = value
+    return seen
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a Hugging Face directory (model.safetensors, or shards listed by the index), read lazily."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        from safetensors import safe_open
+
+        directory = Path(directory)
+        index_path = directory / "model.safetensors.index.json"
+        if index_path.is_file():
+            with open(index_path) as f:
+                weight_map = json.load(f, object_pairs_hook=_no_duplicate_keys)["weight_map"]
+            files = sorted({directory / name for name in weight_map.values()})
+        elif (directory / "model.safetensors").is_file():
+            weight_map, files = None, [directory / "model.safetensors"]
+        else:
+            found = sorted(p.name for p in directory.iterdir())
+            raise FileNotFoundError(
+                f"{directory} has no model.safetensors or model.safetensors.index.json (found: {', '.join(found)})"
+            )
+        self.location: dict[str, Path] = {}
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"safetensors shard {file} listed in {index_path.name} does not exist")
+            with safe_open(file, framework="numpy") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    if name in self.location:
+                        raise ValueError(
+                            f"duplicate tensor {name!r}: in both {self.location[name].name} and {file.name}"
+                        )
+                    self.location[name] = file
+        for name, file in (weight_map or {}).items():
+            if self.location.get(name) != directory / file:
+                raise ValueError(f"{index_path.name} lists tensor {name!r} in {file}, which does not hold it")
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, array) one at a time, each file opened once."""
+        from safetensors import safe_open
+
+        for file in sorted(set(self.location.values())):
+            with safe_open(file, framework="numpy") as f:
+                for name in f.keys():  # noqa: SIM118
+                    yield name, f.get_tensor(name)
+
+
+# --- assembly of named tensors into the weights dataclass --------------------------------------
+
+
+def spec_leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted field path -> leaf of a weights-shaped dataclass tree (ParamSpec, array or None)."""
+    leaves: dict[str, Any] = {}
+    for field in dataclasses.fields(tree):
+        value = getattr(tree, field.name)
+        path = prefix + field.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, ParamSpec):
+            leaves.update(spec_leaves(value, path + "."))
+        else:
+            leaves[path] = value
+    return leaves
+
+
+def build_tree(spec_tree: Any, leaves: Mapping[str, Any], prefix: str = "") -> Any:
+    """The weights dataclass with `leaves[path]` at every field (None where absent)."""
+    values = {}
+    for field in dataclasses.fields(spec_tree):
+        value = getattr(spec_tree, field.name)
+        path = prefix + field.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, ParamSpec):
+            values[field.name] = build_tree(value, leaves, path + ".")
+        else:
+            values[field.name] = leaves.get(path)
+    return type(spec_tree)(**values)
+
+
+def _groups_into(got: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether `got` is `target` with runs of consecutive dims merged, e.g. (576,) into (9, 64)."""
+    i = 0
+    for size in got:
+        product = 1
+        while i < len(target) and product < size:
+            product *= target[i]
+            i += 1
+        if product != size:
+            return False
+    return all(d == 1 for d in target[i:])
+
+
+def _expected_linear(got: tuple[int, ...], target: tuple[int, ...]) -> tuple[int, int]:
+    """The [out, in] torch Linear shape that transposes into `target`, preferring one that agrees with `got`."""
+    candidates = [(int(np.prod(target[k:])), int(np.prod(target[:k]))) for k in range(1, len(target))]
+    for c in candidates:
+        if len(got) == 2 and (c[1] == got[1] or c[0] == got[0]):
+            return c
+    return candidates[0] if candidates else (1, int(np.prod(target)))
+
+
+def _to_field_layout(name: str, array: np.ndarray, rule: CheckpointRule, target: tuple[int, ...]) -> np.ndarray:
+    got = tuple(array.shape)
+    if rule.transform == "linear":
+        if len(got) != 2 or not _groups_into(got[::-1], target):
+            raise ValueError(
+                f"tensor {name}: shape {got}, expected {_expected_linear(got, target)} "
+                f"([out, in] Linear weight for field {rule.field} of per-layer shape {target})"
+            )
+        return array.T.reshape(target)
+    if not _groups_into(got, target):
+        raise ValueError(f"tensor {name}: shape {got}, expected {target} (field {rule.field})")
+    return array.reshape(target)
+
+
+def _example_name(pattern: str, index: tuple[int, ...]) -> str:
+    """A readable tensor name from a rule's regex, e.g. model.layers.3.self_attn.q_proj.weight."""
+    parts = iter(str(i) for i in index)
+    name = re.sub(r"\((?:\\d\+|\[0-9\]\+)\)", lambda _: next(parts, "N"), pattern)
+    return name.replace("\\", "")
+
+
+@dataclass(slots=True)
+class _Field:
+    """One weight being filled: its spec, its rule, the host buffer and which stacked slots hold a tensor."""
+
+    spec: ParamSpec
+    rule: CheckpointRule
+    depth: int  # leading stacked axes (layers, experts) indexed by the rule's regex groups
+    data: np.ndarray
+    source: dict[tuple[int, ...], str]  # slot -> tensor name that filled it
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        return self.spec.shape[self.depth :]
+
+
+def _match(name: str, rules: list[tuple[re.Pattern, CheckpointRule]]) -> tuple[CheckpointRule, tuple[int, ...]] | None:
+    matches = [(rule, m) for pattern, rule in rules if (m := pattern.fullmatch(name))]
+    if len(matches) > 1:
+        raise ValueError(f"tensor {name} matches several checkpoint rules: {[r.pattern for r, _ in matches]}")
+    if not matches:
+        return None
+    rule, m = matches[0]
+    return rule, tuple(int(g) for g in m.groups())
+
+
+def _prepare_fields(family: ModuleType, cfg: Any, np_dtype: Any) -> tuple[dict[str, _Field], list]:
+    specs = spec_leaves(family.param_specs(cfg))
+    rules = [(re.compile(r.pattern), r) for r in family.checkpoint_rules(cfg)]
+    fields: dict[str, _Field] = {}
+    for pattern, rule in rules:
+        if rule.field not in specs:
+            raise ValueError(f"checkpoint rule {rule.pattern!r} names field {rule.field!r}, which the weights lack")
+        spec = specs[rule.field]
+        if spec is None:
+            continue  # this config has no such field; a tensor for it is reported as unexpected
+        if rule.field in fields:
+            raise ValueError(f"field {rule.field} has two checkpoint rules")
+        fields[rule.field] = _Field(spec, rule, pattern.groups, np.empty(spec.shape, np_dtype), {})
+    uncovered = [path for path, spec in specs.items() if spec is not None and path not in fields]
+    if uncovered:
+        raise ValueError(f"fields {uncovered} have no checkpoint rule in {family.__name__}.checkpoint_rules")
+    return fields, rules
+
+
+def _place(name: str, array: np.ndarray, fields: dict[str, _Field], rules: list) -> None:
+    matched = _match(name, rules)
+    if matched is None:
+        if _HARMLESS_TENSORS.fullmatch(name):
+            return
+        raise ValueError(f"unknown tensor {name}: no checkpoint rule matches it")
+    rule, index = matched
+    field = fields.get(rule.field)
+    if field is None:
+        raise ValueError(f"unexpected tensor {name}: field {rule.field} is absent in this model's config")
+    leading = field.spec.shape[: field.depth]
+    if any(i >= n for i, n in zip(index, leading, strict=True)):
+        raise ValueError(f"tensor {name}: index {index} out of range, the config has {leading} ({field.rule.field})")
+    if index in field.source:
+        raise ValueError(f"duplicate tensor for field {rule.field} at {index}: {field.source[index]} and {name}")
+    field.data[index] = _to_field_layout(name, np.asarray(array), rule, field.slot_shape)
+    field.source[index] = name
+
+
+def _check_complete(fields: dict[str, _Field]) -> None:
+    stacked = [f for f in fields.values() if f.depth]
+    if stacked:
+        num_layers = stacked[0].spec.shape[0]
+        seen = {index[0] for f in stacked for index in f.source}
+        missing_layers = sorted(set(range(num_layers)) - seen)
+        if missing_layers:
+            raise ValueError(
+                f"missing layer {missing_layers[0]}: no tensors for layers {missing_layers} of {num_layers}"
+            )
+    for path, field in fields.items():
+        for index in np.ndindex(*field.spec.shape[: field.depth]):
+            if index not in field.source:
+                where = f", layer {index[0]}" if index else ""
+                raise ValueError(f"missing tensor {_example_name(field.rule.pattern, index)} (field {path}{where})")
+
+
+def _assemble(family: ModuleType, cfg: Any, tensors: Iterable[tuple[str, np.ndarray]], np_dtype: Any) -> Any:
+    fields, rules = _prepare_fields(family, cfg, np_dtype)
+    seen: set[str] = set()
+    for name, array in tensors:
+        if name in seen:
+            raise ValueError(f"duplicate tensor {name}")
+        seen.add(name)
+        _place(name, array, fields, rules)
+    _check_complete(fields)
+    leaves = {}
+    for path in list(fields):
+        leaves[path] = jnp.asarray(fields.pop(path).data)  # drop each host buffer once it is on device
+    return build_tree(family.param_specs(cfg), leaves)
+
+
+def load_from_tensors(family: ModuleType, cfg: Any, tensors: Mapping[str, np.ndarray], dtype: str = "bfloat16") -> Any:
+    """Weights from Hugging Face-named tensors (values may be numpy or jax arrays), validated against the specs."""
+    np_dtype = numpy_dtype(dtype)
+    return _assemble(family, cfg, ((name, tensors[name]) for name in tensors), np_dtype)
+
+
+# --- in-memory parameter trees -----------------------------------------------------------------
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _flax_to_torch_names(flat: dict[str, Any]) -> dict[str, Any]:
+    """Flax modules name a Linear's [in, out] matrix `kernel` and an embedding `embedding`; torch uses `weight`."""
+    renamed = {}
+    for name, value in flat.items():
+        if name.endswith(".kernel"):
+            renamed[name.removesuffix(".kernel") + ".weight"] = np.asarray(value).T
+        elif name.endswith(".embedding"):
+            renamed[name.removesuffix(".embedding") + ".weight"] = value
+        else:
+            renamed[name] = value
+    return renamed
+
+
+def _cast_fields(spec_tree: Any, leaves: Mapping[str, Any], dtype: str) -> Any:
+    """Our field names -> validated, cast jax arrays in the weights dataclass."""
+    specs = spec_leaves(spec_tree)
+    extra = sorted(set(leaves) - set(specs))
+    if extra:
+        raise ValueError(f"unknown parameters {extra}; the weights have fields {sorted(specs)}")
+    out = {}
+    for path, spec in specs.items():
+        value = leaves.get(path)
+        if spec is None:
+            if value is not None:
+                raise ValueError(f"parameter {path} given, but this config has no such field")
+            continue
+        if value is None:
+            raise ValueError(f"missing parameter {path} (expected shape {spec.shape})")
+        if tuple(value.shape) != spec.shape:
+            raise ValueError(f"parameter {path}: shape {tuple(value.shape)}, expected {spec.shape}")
+        out[path] = jnp.asarray(value, dtype=jnp.dtype(dtype))
+    return build_tree(spec_tree, out)
+
+
+def load_from_pytree(family: ModuleType, cfg: Any, params: Any, dtype: str = "bfloat16") -> Any:
+    """Weights from parameters already in memory, validated against `param_specs(cfg)` and cast to `dtype`.
+
+    `params` is the family's weights dataclass, or a nested dict (a Flax param tree, with or without
+    its top-level "params" key) keyed by our field names ("embed", "layers" -> "wq", ...) or by
+    Hugging Face names ("model" -> "layers" -> "0" -> "self_attn" -> "q_proj" -> "weight" / "kernel").
+    Arrays that already match stay on their device; only the cast copies them.
+    """
+    numpy_dtype(dtype)
+    spec_tree = family.param_specs(cfg)
+    if isinstance(params, type(spec_tree)):
+        return _cast_fields(spec_tree, spec_leaves(params), dtype)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a {type(spec_tree).__name__} or a nested dict, got {type(params).__name__}")
+    if set(params) == {"params"}:
+        params = params["params"]
+    flat = _flatten(params)
+    if set(flat) & set(spec_leaves(spec_tree)):
+        return _cast_fields(spec_tree, flat, dtype)
+    return load_from_tensors(family, cfg, _flax_to_torch_names(flat), dtype)
+
+
+# --- orbax ---------------------------------------------------------------------------------------
+
+
+def save_orbax(
+    path: str | os.PathLike,
+    weights: Any,
+    *,
+    hf_config: Mapping | None = None,
+    tokenizer_source: str | os.PathLike | None = None,
+) -> Path:
+    """Writes `weights` as an orbax checkpoint under <path>/params; with `hf_config` (and a tokenizer) the
+    directory is a complete model that `load_model(path)` loads. Refuses to overwrite an existing checkpoint."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if (path / ORBAX_PARAMS_DIR).exists():
+        raise FileExistsError(f"{path / ORBAX_PARAMS_DIR} already exists")
+    path.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path / ORBAX_PARAMS_DIR, weights)
+    checkpointer.wait_until_finished()
+    if hf_config is not None:
+        with open(path / "config.json", "w") as f:
+            json.dump(dict(hf_config), f, indent=2)
+    if tokenizer_source is not None:
+        _save_tokenizer(Path(tokenizer_source), path)
+    return path
+
+
+def _save_tokenizer(source: Path, target: Path) -> None:
+    if source.is_dir():
+        for file in source.iterdir():
+            if _TOKENIZER_FILES.fullmatch(file.name) and file.is_file():
+                shutil.copy2(file, target / file.name)
+        return
+    from models.gguf import gguf_tokenizer
+
+    tokenizer, eos_ids = gguf_tokenizer(source)
+    tokenizer.save_pretrained(target)
+    with open(target / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": list(eos_ids)}, f)
+
+
+def load_orbax(path: str | os.PathLike, family: ModuleType, cfg: Any, dtype: str = "bfloat16") -> Any:
+    """Restores an orbax checkpoint of the weights dataclass, checked against `param_specs(cfg)`, in `dtype`."""
+    import orbax.checkpoint as ocp
+
+    numpy_dtype(dtype)
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise FileNotFoundError(f"orbax checkpoint not found: {path}")
+    spec_tree = family.param_specs(cfg)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype), sharding=sharding),
+        spec_tree,
+        is_leaf=lambda x: isinstance(x, ParamSpec),
+    )
+    try:
+        return ocp.StandardCheckpointer().restore(path, target)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"orbax checkpoint {path} does not match the config's parameter specs: {e}") from e

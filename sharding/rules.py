@@ -1,0 +1,69 @@
+"""Logical axes -> mesh axes: the one rules table that decides how every weight is split.
+
+A model declares each weight's logical axes once (`models.common.ParamSpec`); this module maps them
+onto the mesh. A dimension that does not divide evenly over its mesh axis is replicated instead
+(e.g. 3 kv heads on tp=4), and that fallback is logged, never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models.common import ParamSpec
+from sharding.mesh import MODEL_AXIS
+
+logger = logging.getLogger(__name__)
+
+# Megatron-style tensor parallelism: heads and MLP hidden split over "model"; the residual stream
+# ("embed") stays whole on every device so norms need no communication; the vocabulary is split so
+# the embedding table and lm_head are not replicated tp times.
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "layers": None,
+    "vocab": MODEL_AXIS,
+    "embed": None,
+    "heads": MODEL_AXIS,
+    "kv_heads": MODEL_AXIS,
+    "head_dim": None,
+    "mlp": MODEL_AXIS,
+    "experts": None,
+}
+
+
+def partition_spec(spec: ParamSpec, mesh: Mesh, name: str = "") -> PartitionSpec:
+    """The PartitionSpec of one weight; dimensions that do not divide their mesh axis are replicated."""
+    axes: list[str | None] = []
+    for dim, logical in zip(spec.shape, spec.logical_axes, strict=True):
+        if logical is not None and logical not in LOGICAL_AXIS_RULES:
+            raise ValueError(f"unknown logical axis {logical!r} in {name or spec}; known: {sorted(LOGICAL_AXIS_RULES)}")
+        mesh_axis = LOGICAL_AXIS_RULES.get(logical) if logical is not None else None
+        if mesh_axis is not None and mesh_axis in axes:
+            mesh_axis = None  # a mesh axis may split only one dimension of a tensor
+        if mesh_axis is not None and dim % mesh.shape[mesh_axis] != 0:
+            logger.info(
+                "replicating %s dimension %r (size %d) instead of splitting it over %d %r devices",
+                name or "weight",
+                logical,
+                dim,
+                mesh.shape[mesh_axis],
+                mesh_axis,
+            )
+            mesh_axis = None
+        axes.append(mesh_axis)
+    return PartitionSpec(*axes)
+
+
+def named_shardings(specs: Any, mesh: Mesh) -> Any:
+    """A tree of NamedSharding parallel to a tree of ParamSpec leaves."""
+    leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+    treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    shardings = [NamedSharding(mesh, partition_spec(spec, mesh, jax.tree_util.keystr(path))) for path, spec in leaves]
+    return jax.tree_util.tree_unflatten(treedef, shardings)
+
+
+def shard_weights(weights: Any, specs: Any, mesh: Mesh) -> Any:
+    """Place a weights pytree on the mesh according to its ParamSpec tree."""
+    return jax.device_put(weights, named_shardings(specs, mesh))

@@ -1,0 +1,250 @@
+"""GGUF loading: tiny random models written with gguf's GGUFWriter the way llama.cpp's converter writes
+them (q/k rows permuted for llama, F32 and Q8_0), and the real default model (SmolLM2-135M-Instruct,
+Q4_1) against transformers reading the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType
+from safetensors.numpy import load_file
+
+from models import hub
+from models.attention import DenseAttentionMetadata, init_dense_cache
+from models.gguf import hf_config_from_metadata, hf_tensor_name, llama3_divisors, open_gguf
+from models.loader import LoadedModel, load_model
+
+TOKENS = [3, 17, 42, 99, 5, 150, 8]
+
+_LAYER_PARTS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
+    n = len(token_ids)
+    cache = init_dense_cache(loaded.config, 1, n, loaded.weights.embed.dtype)
+    meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
+    hidden, _ = loaded.family.forward(
+        loaded.weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
+    )
+    return np.asarray(loaded.family.compute_logits(loaded.weights, hidden, loaded.config))
+
+
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+def gguf_name(hf_name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in fixed or hf_name == "lm_head.weight":
+        return fixed.get(hf_name, "output.weight")
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: interleaves each head's two rotary halves."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def write_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(0x100 + i) for i in range(config["vocab_size"])])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name, array in tensors.items():
+        array = array.astype(np.float32)
+        proj = name.split(".")[-2]
+        if arch == "llama" and proj in heads:
+            array = llama_cpp_permute(array, heads[proj])
+        if qtype is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_hf_config, hf_model):
+    config = tiny_hf_config("llama")
+    model = hf_model(config)
+    root = tmp_path_factory.mktemp("tiny_gguf")
+    model.save_pretrained(root / "hf")
+    return model, config, load_file(root / "hf" / "model.safetensors"), root
+
+
+def test_hf_names():
+    assert hf_tensor_name("blk.7.attn_k.weight") == "model.layers.7.self_attn.k_proj.weight"
+    assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert hf_tensor_name("blk.2.attn_q_norm.weight") == "model.layers.2.self_attn.q_norm.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="GGUF tensor 'blk.0.ffn_gate_exps.weight' has no Hugging Face name"):
+        hf_tensor_name("blk.0.ffn_gate_exps.weight")
+
+
+def test_f32_llama_gguf_matches_transformers(tiny):
+    model, config, tensors, root = tiny
+    path = write_gguf(root / "f32.gguf", "llama", config, tensors)
+    checkpoint = open_gguf(path)
+    assert checkpoint.hf_config["architectures"] == ["LlamaForCausalLM"]
+    assert checkpoint.hf_config["tie_word_embeddings"] is False and checkpoint.hf_config["vocab_size"] == 160
+    loaded = load_model(path, dtype="float32")
+    assert loaded.tokenizer_source == str(path)
+    # q and k come back unpermuted: exactly Hugging Face's rows.
+    cfg = loaded.config
+    for field, proj, heads in (("wq", "q_proj", cfg.num_heads), ("wk", "k_proj", cfg.num_kv_heads)):
+        expected = tensors[f"model.layers.1.self_attn.{proj}.weight"].T.reshape(cfg.hidden_size, heads, cfg.head_dim)
+        np.testing.assert_array_equal(getattr(loaded.weights.layers, field)[1], expected)
+    np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def test_q8_0_llama_gguf_is_dequantised(tiny):
+    model, config, tensors, root = tiny
+    path = write_gguf(root / "q8.gguf", "llama", config, tensors, qtype=GGMLQuantizationType.Q8_0)
+    loaded = load_model(path, dtype="float32")
+    # Q8_0 blocks run along a row, so permuting rows commutes with quantising them.
+    q_proj = tensors["model.layers.0.self_attn.q_proj.weight"]
+    roundtrip = gguf.quants.dequantize(
+        gguf.quants.quantize(q_proj, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+    )
+    np.testing.assert_array_equal(loaded.weights.layers.wq[0], roundtrip.T.reshape(64, 4, 16))
+    assert not np.array_equal(roundtrip, q_proj)
+    np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), atol=0.1)
+
+
+def test_qwen2_gguf_keeps_rows_and_biases(tmp_path, tiny_hf_config, hf_model):
+    config = tiny_hf_config("qwen2", tie_word_embeddings=True)
+    model = hf_model(config)
+    model.save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    loaded = load_model(write_gguf(tmp_path / "qwen2.gguf", "qwen2", config, tensors), dtype="float32")
+    assert loaded.config.attention_bias and loaded.config.tie_word_embeddings and loaded.weights.lm_head is None
+    np.testing.assert_array_equal(
+        loaded.weights.layers.bk[1], tensors["model.layers.1.self_attn.k_proj.bias"].reshape(2, 16)
+    )
+    np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+_METADATA = {
+    "general.architecture": "llama",
+    "llama.block_count": 2,
+    "llama.context_length": 131072,
+    "llama.embedding_length": 512,
+    "llama.feed_forward_length": 1024,
+    "llama.attention.head_count": 8,
+    "llama.attention.head_count_kv": 2,
+    "llama.rope.freq_base": 500000.0,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+}
+_SHAPES = {"token_embd.weight": (1000, 512)}
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(
+        ValueError, match="GGUF architecture 'gemma2' is not supported; supported GGUF architectures: llama"
+    ):
+        hf_config_from_metadata(_METADATA | {"general.architecture": "gemma2"}, _SHAPES)
+
+
+def test_rope_scaling_metadata():
+    assert "rope_scaling" not in hf_config_from_metadata(_METADATA, _SHAPES)
+    linear = hf_config_from_metadata(
+        _METADATA | {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, _SHAPES
+    )
+    assert linear["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    yarn = _METADATA | {
+        "llama.rope.scaling.type": "yarn",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 32768,
+    }
+    expected = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert hf_config_from_metadata(yarn, _SHAPES)["rope_scaling"] == expected
+
+
+def test_llama3_rope_freqs_tensor_becomes_rope_scaling():
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    # Hugging Face's llama3 inverse frequencies, divided into the unscaled ones: what llama.cpp stores.
+    hf = transformers.LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=8,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope),
+        max_position_embeddings=131072,
+    )
+    scaled, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    default = 1.0 / 500000.0 ** (torch.arange(0, 64, 2).float() / 64)
+    divisors = (default / scaled).numpy().astype(np.float32)
+    np.testing.assert_allclose(llama3_divisors(500000.0, 64, 8.0), divisors, rtol=1e-6)
+    config = hf_config_from_metadata(_METADATA, _SHAPES, divisors)
+    assert config["rope_scaling"] == rope
+    corrupted = divisors.copy()
+    corrupted[16] *= 1.1
+    with pytest.raises(ValueError, match="rope_freqs.weight does not match Llama 3 rope scaling"):
+        hf_config_from_metadata(_METADATA, _SHAPES, corrupted)
+
+
+# --- the real default model (93 MB download on a clean machine) --------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return hub.resolve_model_source(hub.DEFAULT_MODEL).path
+
+
+@pytest.mark.slow
+def test_default_model_greedy_matches_transformers(default_gguf):
+    from jaxserve.dense import generate_dense
+    from jaxserve.tokenizer import Tokenizer
+
+    loaded = load_model(hub.DEFAULT_MODEL, dtype="float32")
+    assert loaded.weights.embed.dtype == jnp.float32 and loaded.tokenizer_source == str(default_gguf)
+    tokenizer = Tokenizer.from_source(loaded.tokenizer_source)
+    prompt = tokenizer.encode("The capital of France is")
+    ours = generate_dense(loaded.family, loaded.config, loaded.weights, [prompt], 16)[0]
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    assert ours == theirs[0, len(prompt) :].tolist()
+    assert "Paris" in tokenizer.decode(ours)

@@ -1,0 +1,56 @@
+"""The rules table: logical axes -> PartitionSpec, with replication when a dimension does not divide."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from jax.sharding import PartitionSpec
+
+from models.common import ParamSpec
+from sharding.mesh import make_mesh
+from sharding.rules import partition_spec
+
+TP4 = SimpleNamespace(shape={"data": 1, "model": 4})  # partition_spec reads only mesh.shape
+
+
+def test_heads_and_mlp_split_over_model():
+    assert partition_spec(ParamSpec((2, 64, 8, 16), ("layers", "embed", "heads", "head_dim")), TP4) == PartitionSpec(
+        None, None, "model", None
+    )
+    assert partition_spec(ParamSpec((2, 64, 256), ("layers", "embed", "mlp")), TP4) == PartitionSpec(
+        None, None, "model"
+    )
+    assert partition_spec(ParamSpec((2, 256, 64), ("layers", "mlp", "embed")), TP4) == PartitionSpec(
+        None, "model", None
+    )
+
+
+def test_indivisible_dimension_is_replicated_and_logged(caplog):
+    spec = ParamSpec((2, 64, 3, 16), ("layers", "embed", "kv_heads", "head_dim"))  # 3 kv heads on tp=4
+    with caplog.at_level(logging.INFO, logger="sharding.rules"):
+        assert partition_spec(spec, TP4, "wk") == PartitionSpec(None, None, None, None)
+    assert "wk" in caplog.text and "kv_heads" in caplog.text
+
+
+def test_one_mesh_axis_splits_one_dimension_only():
+    spec = ParamSpec((64, 256), ("vocab", "mlp"))
+    assert partition_spec(spec, TP4) == PartitionSpec("model", None)
+
+
+def test_unknown_logical_axis_is_an_error():
+    with pytest.raises(ValueError, match="unknown logical axis 'heads_typo'"):
+        partition_spec(ParamSpec((4,), ("heads_typo",)), TP4)
+
+
+def test_param_spec_rank_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="differ in rank"):
+        ParamSpec((4, 4), ("embed",))
+
+
+def test_make_mesh_names_missing_devices():
+    with pytest.raises(ValueError, match="needs 64 devices"):
+        make_mesh(tp=64)
+    mesh = make_mesh(tp=1)
+    assert mesh.axis_names == ("data", "model")

@@ -1,0 +1,78 @@
+"""Tensor parallelism: weights placed on a tp=4 CPU mesh through the rules table, the dense forward
+partitioned by XLA, gives the single-device logits for every family.
+
+jax fixes its device count when it starts, so the check runs in a fresh process with four host
+devices (XLA_FLAGS=--xla_force_host_platform_device_count=4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHECK = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import transformers
+    from models import registry
+    from models.attention import DenseAttentionMetadata, init_dense_cache
+    from sharding.mesh import make_mesh
+    from sharding.rules import named_shardings, shard_weights
+
+    CONFIGS = {
+        "llama": (transformers.LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=4,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=64))),
+        "mistral": (transformers.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+        "qwen2": (transformers.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=1)),
+        "qwen3": (transformers.Qwen3Config, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16)),
+    }
+    assert jax.device_count() == 4, jax.devices()
+    mesh = make_mesh(tp=4)
+    results = {}
+    for name, (config_class, extra) in CONFIGS.items():
+        hf = config_class(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          max_position_embeddings=256, **extra)
+        hf.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
+        family, cfg = registry.resolve(hf.to_dict())
+        weights = family.init_weights(cfg, jax.random.key(0), jnp.float32)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 160, size=24), jnp.int32)
+        positions = jnp.arange(24, dtype=jnp.int32)
+        meta = DenseAttentionMetadata(seq_ids=jnp.zeros(24, jnp.int32))
+
+        def logits_of(weights, cache):
+            hidden, _ = family.forward(weights, tokens, positions, cache, meta, cfg)
+            return family.compute_logits(weights, hidden, cfg)
+
+        cache = init_dense_cache(cfg, 1, 32, jnp.float32)
+        single = jax.jit(logits_of)(weights, cache)
+        sharded_weights = shard_weights(weights, family.param_specs(cfg), mesh)
+        split = [s.spec for s in jax.tree_util.tree_leaves(named_shardings(family.param_specs(cfg), mesh))]
+        sharded = jax.jit(logits_of)(sharded_weights, cache)
+        assert len(sharded_weights.layers.wq.sharding.device_set) == 4
+        err = float(jnp.max(jnp.abs(sharded - single)) / jnp.max(jnp.abs(single)))
+        results[name] = dict(err=err, num_split=sum(any(a is not None for a in s) for s in split))
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def sharded_results() -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tp4_logits_equal_single_device(sharded_results: dict, family: str):
+    result = sharded_results[family]
+    assert result["num_split"] > 0, "no weight was split over the model axis"
+    assert result["err"] < 1e-5, result
