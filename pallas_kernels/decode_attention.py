@@ -1,0 +1,224 @@
+"""The split-KV (flash-decoding) kernel for sequences with one query token, and the kernel combining splits.
+
+Grid (B, K, num_splits): a program reads one share of one sequence's keys for one kv head, with all
+query heads of that kv head in one tile (the group padded to the 16-row minimum of a matrix-unit dot),
+so every K/V block is read once per kv head. Each sequence's key tiles are divided evenly among its
+num_splits programs, so a short sequence in a batch sized for long ones gets short splits. With one
+split the program normalises and writes its output rows directly; otherwise it writes per-split partial
+outputs and log2-sum-exp values that `_combine_kernel` merges into the output rows, in place on `out`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .ragged_attention import AttentionRefs
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeParams:
+    """Static parameters of one decode launch."""
+
+    group: int
+    block_n: int
+    head_dim: int
+    head_dim_padded: int
+    block_size: int
+    num_heads: int
+    num_splits: int
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+
+    @property
+    def group_padded(self) -> int:
+        return max(16, 1 << (self.group - 1).bit_length())
+
+
+def _dims(p: DecodeParams) -> tuple[jax.Array, jax.Array | None]:
+    d = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
+    # The mask is [1, Dh] (full rank): the Triton lowering broadcasts masks only between equal ranks.
+    return d, ((d < p.head_dim)[None, :] if p.head_dim_padded != p.head_dim else None)
+
+
+def _and(mask: jax.Array, extra: jax.Array | None) -> jax.Array:
+    return mask if extra is None else mask & extra
+
+
+def _sequence(b, cu_ref, kv_lens_ref, ns_ref):
+    """Query row, kv length and whether sequence b is a live one-token sequence (its row is ours to write)."""
+    q_start = cu_ref[b]
+    live = (b < ns_ref[0]) & (cu_ref[b + 1] - q_start == 1)
+    return q_start, kv_lens_ref[b], live
+
+
+def _heads(h, p: DecodeParams):
+    rows = jnp.arange(p.group_padded, dtype=jnp.int32)
+    row_ok = rows < p.group
+    # Padding rows index one past the last head: masked on GPU, dropped by the interpreter's scatter.
+    return jnp.where(row_ok, h * p.group + rows, p.num_heads), row_ok
+
+
+def _decode_step(t, carry, *, q, seq, h, lo_key, kv_len, bt_ref, k_ref, v_ref, p: DecodeParams):
+    acc, m_i, l_i = carry
+    d, dmask = _dims(p)
+    j = t * p.block_n + jnp.arange(p.block_n, dtype=jnp.int32)
+    visible = (j < kv_len) & (j >= lo_key)
+    page = plgpu.load(bt_ref.at[seq, lax.div(j, p.block_size)], mask=visible, other=0)
+    idx = (page[:, None], lax.rem(j, p.block_size)[:, None], h, d[None, :])
+    kv_mask = _and(visible[:, None], dmask)
+    k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=0.0)
+    v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=0.0)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if p.soft_cap is None:
+        s = s * (p.sm_scale * LOG2E)
+    else:
+        s = jnp.tanh(s * (p.sm_scale / p.soft_cap)) * (p.soft_cap * LOG2E)
+    s = jnp.where(visible[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_safe)
+    prob = jnp.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + jnp.sum(prob, axis=1)
+    pv = lax.dot_general(prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+def decode_split(r: AttentionRefs, parts: tuple | None, b, h, split, p: DecodeParams) -> None:
+    """Program body for split `split` of sequence b, kv head h; `parts` = (o_part, lse) refs when split."""
+    q_start, kv_len, live = _sequence(b, r.cu_q_lens, r.kv_lens, r.num_seqs)
+    # Sequences that are not ours, and padding ones (kv_len 0), run no key tile.
+    hi_key = jnp.where(live, kv_len, 0)
+    lo_key = 0 if p.sliding_window is None else jnp.maximum(hi_key - p.sliding_window, 0)
+    first = lax.div(lo_key, p.block_n)
+    last = lax.div(hi_key + p.block_n - 1, p.block_n)
+    per_split = lax.div(jnp.maximum(last - first, 0) + p.num_splits - 1, p.num_splits)
+    start = first + split * per_split
+    stop = jnp.minimum(start + per_split, last)
+
+    d, dmask = _dims(p)
+    head, row_ok = _heads(h, p)
+    mask = _and((row_ok & live)[:, None], dmask)
+    q = plgpu.load(r.q.at[q_start, head[:, None], d[None, :]], mask=mask, other=0.0)
+    refs = dict(bt_ref=r.block_table, k_ref=r.k_cache, v_ref=r.v_cache)
+    step = functools.partial(_decode_step, q=q, seq=b, h=h, lo_key=lo_key, kv_len=kv_len, p=p, **refs)
+    carry = (
+        jnp.zeros((p.group_padded, p.head_dim_padded), jnp.float32),
+        jnp.full((p.group_padded,), -jnp.inf, jnp.float32),
+        jnp.zeros((p.group_padded,), jnp.float32),
+    )
+    acc, m_i, l_i = lax.fori_loop(start, stop, step, carry)
+    out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+    if parts is None:
+        plgpu.store(r.out.at[q_start, head[:, None], d[None, :]], out.astype(r.out.dtype), mask=mask)
+    else:
+        o_part_ref, lse_ref = parts
+        lse = jnp.where(l_i > 0, m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), -jnp.inf)
+        plgpu.store(o_part_ref.at[b, split, head[:, None], d[None, :]], out, mask=_and(row_ok[:, None], dmask))
+        plgpu.store(lse_ref.at[b, split, head], lse, mask=row_ok)
+
+
+def _combine_kernel(o_part_ref, lse_ref, cu_ref, kv_lens_ref, ns_ref, _out_in_ref, o_ref, *, p: DecodeParams):
+    """Merge the splits of one (sequence, kv head) by their log2-sum-exp weights."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    q_start, _, live = _sequence(b, cu_ref, kv_lens_ref, ns_ref)
+
+    @pl.when(live)
+    def _():
+        d, dmask = _dims(p)
+        head, row_ok = _heads(h, p)
+
+        def merge(split, carry):
+            acc, m_i, den = carry
+            lse = plgpu.load(lse_ref.at[b, split, head], mask=row_ok, other=-jnp.inf)
+            part = plgpu.load(o_part_ref.at[b, split, head[:, None], d[None, :]], mask=row_ok[:, None], other=0.0)
+            m_new = jnp.maximum(m_i, lse)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_safe)
+            w = jnp.exp2(lse - m_safe)
+            return acc * alpha[:, None] + w[:, None] * part, m_new, den * alpha + w
+
+        carry = (
+            jnp.zeros((p.group_padded, p.head_dim_padded), jnp.float32),
+            jnp.full((p.group_padded,), -jnp.inf, jnp.float32),
+            jnp.zeros((p.group_padded,), jnp.float32),
+        )
+        acc, _, den = lax.fori_loop(0, p.num_splits, merge, carry)
+        out = acc / jnp.where(den > 0, den, 1.0)[:, None]
+        mask = _and(row_ok[:, None], dmask)
+        plgpu.store(o_ref.at[q_start, head[:, None], d[None, :]], out.astype(o_ref.dtype), mask=mask)
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, *outs, p: DecodeParams):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if p.num_splits == 1:
+        _, o_ref = outs  # the aliased `out`: its input ref, then its output ref
+        r = AttentionRefs(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, o_ref)
+        decode_split(r, None, b, h, split, p)
+    else:
+        r = AttentionRefs(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, None)
+        decode_split(r, outs, b, h, split, p)
+
+
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    kv_lens,
+    cu_q_lens,
+    num_seqs,
+    out,
+    *,
+    p: DecodeParams,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> jax.Array:
+    """Write the output rows of every one-token sequence into `out` (aliased, in place)."""
+    max_seqs, num_kv_heads = block_table.shape[0], k_cache.shape[2]
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    grid = (max_seqs, num_kv_heads, p.num_splits)
+    args = (q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
+    kernel = functools.partial(_decode_kernel, p=p)
+    if p.num_splits == 1:
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+            grid=grid,
+            input_output_aliases={7: 0},
+            compiler_params=params,
+            interpret=interpret,
+            name="ragged_paged_attention_decode",
+        )(*args, out)
+    part_shapes = (
+        jax.ShapeDtypeStruct((max_seqs, p.num_splits, p.num_heads, p.head_dim_padded), jnp.float32),
+        jax.ShapeDtypeStruct((max_seqs, p.num_splits, p.num_heads), jnp.float32),
+    )
+    o_part, lse = pl.pallas_call(
+        kernel,
+        out_shape=part_shapes,
+        grid=grid,
+        compiler_params=params,
+        interpret=interpret,
+        name="ragged_paged_attention_decode_split",
+    )(*args)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, p=p),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        grid=(max_seqs, num_kv_heads),
+        input_output_aliases={5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ragged_paged_attention_combine",
+    )(o_part, lse, cu_q_lens, kv_lens, num_seqs, out)

@@ -1,0 +1,137 @@
+"""Tile shapes of the attention kernels: the validated tiling records and the tuning tables.
+
+The tables map a shape class to the tiling the H200 benchmark (`benchmarks/attention.py`) chose;
+`docs/kernel_notes.md` records the sweep behind each entry. A caller's `**tuning` keywords override
+single fields of the looked-up entry. Host-only: no jax import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Hopper has 132 multiprocessors; the split count aims at a few programs per multiprocessor.
+_TARGET_PROGRAMS = 4 * 132
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_pow2(name: str, value: int, low: int, high: int) -> None:
+    if not (_is_power_of_2(value) and low <= value <= high):
+        raise ValueError(f"{name} must be a power of two in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class MixedTiling:
+    """Tiling of the mixed (prefill + decode) kernel.
+
+    block_m: rows of a query tile; a tile packs block_m // group tokens times the group's query heads.
+    block_n: keys per inner-loop step.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_m", self.block_m, 16, 256)
+        _check_pow2("block_n", self.block_n, 16, 256)
+        _check_pow2("num_warps", self.num_warps, 1, 16)
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be in [1, 6], got {self.num_stages}")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiling:
+    """Tiling of the split-KV decode kernel.
+
+    num_splits: programs per (sequence, kv head), each reading an equal share of that sequence's keys.
+    block_n: keys per inner-loop step.
+    """
+
+    num_splits: int = 1
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        _check_pow2("num_splits", self.num_splits, 1, 256)
+        _check_pow2("decode_block_n", self.block_n, 16, 256)
+        _check_pow2("decode_num_warps", self.num_warps, 1, 16)
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"decode_num_stages must be in [1, 6], got {self.num_stages}")
+
+
+# (padded head_dim, token class) -> MixedTiling; token class = the smallest key >= T. Measured on the H200:
+# head_dim 128 with T > 512 (the 8192-token prefill sweep). The other entries are set by analogy.
+MIXED_TABLE: dict[tuple[int, int], MixedTiling] = {
+    (64, 512): MixedTiling(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    (64, 1 << 30): MixedTiling(block_m=128, block_n=64, num_warps=4, num_stages=2),
+    (128, 512): MixedTiling(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    (128, 1 << 30): MixedTiling(block_m=128, block_n=64, num_warps=4, num_stages=2),
+    (256, 512): MixedTiling(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    (256, 1 << 30): MixedTiling(block_m=64, block_n=64, num_warps=8, num_stages=2),
+}
+
+# (padded head_dim, programs class, context class) -> DecodeTiling, where programs class is the next power
+# of two >= B * K and context class the next power of two >= the block-table width in tokens. Missing
+# classes fall back to `_decode_heuristic`, which picks these same split counts at the measured shapes.
+DECODE_TABLE: dict[tuple[int, int, int], DecodeTiling] = {
+    (128, 128, 1024): DecodeTiling(num_splits=8, block_n=64, num_warps=4, num_stages=3),
+    (128, 512, 1024): DecodeTiling(num_splits=2, block_n=64, num_warps=4, num_stages=3),
+    (128, 2048, 4096): DecodeTiling(num_splits=1, block_n=128, num_warps=4, num_stages=3),
+}
+
+MIXED_KEYS = {"block_m": "block_m", "block_n": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+DECODE_KEYS = {
+    "num_splits": "num_splits",
+    "decode_block_n": "block_n",
+    "decode_num_warps": "num_warps",
+    "decode_num_stages": "num_stages",
+}
+SWITCH_KEYS = ("decode_kernel",)
+TUNING_KEYS = tuple(MIXED_KEYS) + tuple(DECODE_KEYS) + SWITCH_KEYS
+
+
+def _class_of(value: int, classes: list[int]) -> int:
+    return next((c for c in sorted(classes) if value <= c), max(classes))
+
+
+def _decode_heuristic(programs: int, context: int) -> DecodeTiling:
+    """Enough splits to give every multiprocessor a few programs, but at least two key tiles per split."""
+    block_n = 64
+    wanted = next_power_of_2(max(1, -(-_TARGET_PROGRAMS // max(programs, 1))))
+    most = max(1, next_power_of_2(context // (2 * block_n) + 1) // 2)
+    return DecodeTiling(num_splits=min(wanted, most, 64), block_n=block_n)
+
+
+def mixed_tiling(head_dim_padded: int, num_tokens: int, overrides: dict[str, int]) -> MixedTiling:
+    """Table entry for this shape class, with the caller's overrides applied."""
+    keys = [t for (d, t) in MIXED_TABLE if d == head_dim_padded]
+    base = MIXED_TABLE[(head_dim_padded, _class_of(num_tokens, keys))] if keys else MixedTiling()
+    fields = {MIXED_KEYS[k]: v for k, v in overrides.items() if k in MIXED_KEYS}
+    return dataclasses.replace(base, **fields)
+
+
+def decode_tiling(
+    head_dim_padded: int, num_seqs: int, num_kv_heads: int, context: int, overrides: dict[str, int]
+) -> DecodeTiling:
+    """Table entry (or heuristic) for B * K programs over block tables `context` tokens wide."""
+    programs = num_seqs * num_kv_heads
+    key = (head_dim_padded, next_power_of_2(programs), next_power_of_2(context))
+    base = DECODE_TABLE.get(key) or _decode_heuristic(programs, context)
+    fields = {DECODE_KEYS[k]: v for k, v in overrides.items() if k in DECODE_KEYS}
+    return dataclasses.replace(base, **fields)
+
+
+def check_tuning_keys(tuning: dict[str, object]) -> None:
+    unknown = sorted(set(tuning) - set(TUNING_KEYS))
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {unknown}; allowed: {list(TUNING_KEYS)}")

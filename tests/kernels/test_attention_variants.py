@@ -1,0 +1,84 @@
+"""ragged_paged_attention options and tilings against the numpy oracle and the reference: sliding windows,
+logit soft-capping, split-KV decode (split counts, tiles, padding sequences), query/key tile shapes, the
+decode kernel switched off, and calls under an outer jit (tracer inputs, no value checks).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+
+TOL = 1e-5  # float32 throughout
+SCALE = 0.125
+
+
+def _compare(batch, numpy_attention, rel_err, *, sliding_window=None, soft_cap=None, **tuning):
+    want = numpy_attention(batch, SCALE, sliding_window, soft_cap)
+    options = dict(sm_scale=SCALE, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = pk.ragged_paged_attention(*batch.args(), interpret=True, **options, **tuning)
+    ref = pk.ragged_paged_attention_reference(*batch.args(), **options)
+    assert rel_err(out, want) < TOL
+    assert rel_err(ref, want) < TOL
+
+
+@pytest.mark.parametrize(
+    "sliding_window,soft_cap", [(1, None), (8, None), (40, 2.0), (None, 2.0), (None, 50.0), (200, None)]
+)
+def test_window_and_soft_cap(sliding_window, soft_cap, paged_batch, numpy_attention, rel_err):
+    """Windows narrower than a tile, across tiles, and wider than the sequences; soft-caps that bite and not."""
+    seqs = [(90, 60), (1, 100), (20, 0), (1, 7)]
+    batch = paged_batch(np.random.default_rng(7), seqs, max_seqs=5, num_tokens=128)
+    _compare(batch, numpy_attention, rel_err, sliding_window=sliding_window, soft_cap=soft_cap, block_n=32)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        dict(num_splits=1, decode_block_n=16),
+        dict(num_splits=2, decode_block_n=64),
+        dict(num_splits=8, decode_block_n=32),
+        dict(num_splits=32, decode_block_n=16),  # more splits than some sequences have tiles
+    ],
+)
+def test_decode_splits(tuning, paged_batch, numpy_attention, rel_err):
+    """Decode-only batch with padding sequences inside num_seqs (kv_len 0) and padding rows after it."""
+    seqs = [(1, 300), (1, 0), (1, -1), (1, 47), (1, 16), (1, 128)]
+    batch = paged_batch(np.random.default_rng(11), seqs, num_heads=8, num_kv_heads=2, max_seqs=8, num_tokens=8)
+    _compare(batch, numpy_attention, rel_err, **tuning)
+    _compare(batch, numpy_attention, rel_err, sliding_window=20, **tuning)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        dict(block_m=16, block_n=16),
+        dict(block_m=32, block_n=128),
+        dict(block_m=64, block_n=32, decode_kernel=False),
+        dict(block_m=16, block_n=64, decode_kernel=False),
+    ],
+)
+def test_query_and_key_tiles(tuning, paged_batch, numpy_attention, rel_err):
+    """Tiles of one token of the group (block_m 16 with 9 heads / 3 kv heads: 5 tokens), big key tiles,
+    and one-token sequences served by the query tiles instead of the decode programs."""
+    seqs = [(45, 33), (1, 60), (2, 0), (1, 0), (17, 100)]
+    batch = paged_batch(np.random.default_rng(5), seqs, num_heads=9, num_kv_heads=3, max_seqs=6, num_tokens=72)
+    _compare(batch, numpy_attention, rel_err, **tuning)
+    _compare(batch, numpy_attention, rel_err, sliding_window=9, soft_cap=3.0, **tuning)
+
+
+def test_under_jit_matches_eager(paged_batch, rel_err):
+    """Inside a caller's jit the inputs are tracers: no value checks, same result."""
+    batch = paged_batch(np.random.default_rng(2), [(30, 10), (1, 40)], max_seqs=3, num_tokens=40)
+    eager = pk.ragged_paged_attention(*batch.args(), sm_scale=SCALE, interpret=True)
+    jitted = jax.jit(lambda *a: pk.ragged_paged_attention(*a, sm_scale=SCALE, interpret=True))(*batch.args())
+    assert rel_err(jitted, eager) == 0.0
+
+
+def test_no_sequences_gives_zeros(paged_batch):
+    batch = paged_batch(np.random.default_rng(4), [(5, 5)], max_seqs=3, num_tokens=16)
+    batch.num_seqs = 0
+    out = np.asarray(pk.ragged_paged_attention(*batch.args(), sm_scale=SCALE, interpret=True))
+    assert (out == 0).all()
