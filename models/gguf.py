@@ -305,13 +305,14 @@ def gguf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
     }
     # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
     add_bos = metadata.get("tokenizer.ggml.add_bos_token", tokenizer_dict.get("tokenizer_type") == "llama")
+    # Some transformers versions' converters also return special tokens (e.g. unk_token): the
+    # file's own ids take precedence, and each keyword is passed once.
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         chat_template=metadata.get("tokenizer.chat_template"),
         add_bos_token=add_bos,
         add_eos_token=metadata.get("tokenizer.ggml.add_eos_token", False),
-        **special,
-        **extra,
+        **{**extra, **special},
     )
     eos_ids = tuple(dict.fromkeys(int(metadata[k]) for k in _EOS_KEYS if k in metadata))
     return tokenizer, eos_ids
