@@ -53,21 +53,19 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def _resolve_dtype(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    import jax
-
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
 def run(args: argparse.Namespace) -> str:
-    """Load the model, build the prompt, generate; returns the generated text."""
-    from jaxserve.dense import generate_dense
+    """Load the model, build the prompt, generate with the engine; returns the generated text."""
+    from jaxserve import capacity
+    from jaxserve.config import CompileConfig, model_max_seq_len
+    from jaxserve.llm import LLM, resolve_dtype
+    from jaxserve.sampling import SamplingParams
     from jaxserve.tokenizer import Tokenizer
     from models.loader import load_model
 
-    model = load_model(args.model, dtype=_resolve_dtype(args.dtype))
+    capacity.raise_memory_fraction_default()  # before anything starts a jax backend
+    model = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    if model.tokenizer_source is None:
+        raise ValueError(f"{args.model} has no tokenizer files")
     tokenizer = Tokenizer.from_source(model.tokenizer_source)
     if args.command == "chat":
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -75,18 +73,30 @@ def run(args: argparse.Namespace) -> str:
         prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    [output_ids] = generate_dense(
-        model.family,
-        model.config,
-        model.weights,
-        [prompt_ids],
-        args.max_tokens,
-        eos_token_ids=tuple(tokenizer.eos_token_ids),
+    # One request of known length: compile exactly its two step shapes (its prompt, then decode).
+    max_seq_len = min(len(prompt_ids) + args.max_tokens, model_max_seq_len(model.hf_config))
+    llm = LLM(
+        model,
+        tokenizer=tokenizer,
+        max_batch_size=1,
+        max_seq_len=max_seq_len,
+        max_num_tokens=max(len(prompt_ids), 1),
+        compile_config=CompileConfig(
+            decode_batch_sizes=(1,), token_buckets=(max(len(prompt_ids), 1),), penalty_variants=False
+        ),
+        seed=args.seed,
+        show_progress=args.verbose,
+    )
+    params = SamplingParams(
+        max_tokens=max(1, min(args.max_tokens, max_seq_len - len(prompt_ids))),
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
     )
-    return tokenizer.decode(output_ids, skip_special_tokens=True)
+    [output] = llm.generate([prompt_ids], params, use_tqdm=False)
+    if output.error:
+        raise ValueError(output.error)
+    return output.outputs[0].text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

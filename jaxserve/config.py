@@ -126,12 +126,15 @@ class CompileConfig:
     enable_padding: pad a decode step up to the next decode batch size; without it a decode step
         whose size is not in the table runs in a mixed bucket.
     cache_dir: persistent compilation cache directory; None uses the default under the user cache dir.
+    penalty_variants: also compile every bucket with a token history, which the repetition / presence /
+        frequency penalties need; without it a request that asks for a penalty is refused.
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
     enable_padding: bool = True
     cache_dir: str | None = None
+    penalty_variants: bool = True
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalising a field needs object.__setattr__.
@@ -141,6 +144,8 @@ class CompileConfig:
             raise ValueError(f"enable_padding must be a bool, got {self.enable_padding!r}")
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
             raise ValueError(f"cache_dir must be None or a non-empty path string, got {self.cache_dir!r}")
+        if not isinstance(self.penalty_variants, bool):
+            raise ValueError(f"penalty_variants must be a bool, got {self.penalty_variants!r}")
 
 
 @dataclass(frozen=True, slots=True)

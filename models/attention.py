@@ -17,11 +17,14 @@ the same batch. It gathers a full [S] row of keys per token: simple and exact, n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+import pallas_kernels
 
 
 class _CacheShape(Protocol):
@@ -47,6 +50,47 @@ class DenseAttentionMetadata:
     seq_ids: Int[Array, " T"]
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class PagedKVCache:
+    """The engine's block pool. [L, N, Bs, K, Dh] for the model; [N, Bs, K, Dh] for one layer.
+
+    Block 0 is reserved: padding tokens write there and padding rows read from it.
+    """
+
+    k: Float[Array, "L N Bs K Dh"]
+    v: Float[Array, "L N Bs K Dh"]
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["slot_mapping", "block_table", "kv_lens", "cu_q_lens", "num_seqs"],
+    meta_fields=["backend"],
+)
+@dataclass(frozen=True, slots=True)
+class PagedAttentionMetadata:
+    """The flat token batch's attention inputs (DESIGN.md, Flat token batch).
+
+    backend: "pallas" (the Triton kernels) or "xla" (their jnp references); static, so each
+    compiled step is specialised to one.
+    """
+
+    slot_mapping: Int[Array, " T"]
+    block_table: Int[Array, "B M"]
+    kv_lens: Int[Array, " B"]
+    cu_q_lens: Int[Array, " B+1"]
+    num_seqs: Int[Array, ""]
+    backend: str = "xla"
+
+
+def init_paged_cache(cfg: _CacheShape, num_blocks: int, block_size: int, dtype: jnp.dtype) -> PagedKVCache:
+    """Zeroed block pool of `num_blocks` blocks (block 0 included) of `block_size` tokens per layer."""
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
 def init_dense_cache(cfg: _CacheShape, batch: int, max_len: int, dtype: jnp.dtype) -> DenseKVCache:
     """Zeroed cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
     if batch < 1:
@@ -62,13 +106,13 @@ def attention(
     k: Float[Array, "T K Dh"],
     v: Float[Array, "T K Dh"],
     positions: Int[Array, " T"],
-    kv_cache: DenseKVCache,
+    kv_cache: DenseKVCache | PagedKVCache,
     layer: Int[Array, ""],
-    meta: DenseAttentionMetadata,
+    meta: DenseAttentionMetadata | PagedAttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
-) -> tuple[Float[Array, "T H Dh"], DenseKVCache]:
+) -> tuple[Float[Array, "T H Dh"], DenseKVCache | PagedKVCache]:
     """Writes layer `layer`'s new K/V into the whole-model cache, then attends; the one dispatch on `meta`'s type.
 
     The cache travels whole through the layer scan (in its carry) rather than as per-layer slices:
@@ -79,9 +123,56 @@ def attention(
         layer_cache = DenseKVCache(k=kv_cache.k[layer], v=kv_cache.v[layer])
         out = dense_attention(q, layer_cache, positions, meta, sm_scale=sm_scale, sliding_window=sliding_window)
         return out, kv_cache
+    if isinstance(meta, PagedAttentionMetadata) and isinstance(kv_cache, PagedKVCache):
+        return paged_attention(q, k, v, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
     raise TypeError(
         f"no attention implementation for metadata {type(meta).__name__} with cache {type(kv_cache).__name__}"
     )
+
+
+def paged_attention(
+    q: Float[Array, "T H Dh"],
+    k: Float[Array, "T K Dh"],
+    v: Float[Array, "T K Dh"],
+    kv_cache: PagedKVCache,
+    layer: Int[Array, ""],
+    meta: PagedAttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> tuple[Float[Array, "T H Dh"], PagedKVCache]:
+    """Scatters the step's K/V into their slots, then ragged attention over the block tables.
+
+    The kernels see the pool of all layers as one [L*N, Bs, K, Dh] pool (a free reshape) in which
+    layer l owns blocks l*N .. l*N + N-1, so block ids and slots are offset by l*N instead of slicing
+    the layer out. Positions are implied by kv_lens and cu_q_lens (the kernel's contract).
+    """
+    if meta.backend == "pallas":
+        write, attend = pallas_kernels.write_kv, pallas_kernels.ragged_paged_attention
+    elif meta.backend == "xla":
+        write, attend = pallas_kernels.write_kv_reference, pallas_kernels.ragged_paged_attention_reference
+    else:
+        raise ValueError(f"attention backend must be 'pallas' or 'xla', got {meta.backend!r}")
+    num_layers, num_blocks, block_size = kv_cache.k.shape[:3]
+    pool_shape = (num_layers * num_blocks, *kv_cache.k.shape[2:])
+    offset = layer * num_blocks
+    dtype = kv_cache.k.dtype
+    k_pool, v_pool = kv_cache.k.reshape(pool_shape), kv_cache.v.reshape(pool_shape)
+    slots = meta.slot_mapping + offset * block_size
+    k_pool, v_pool = write(k_pool, v_pool, k.astype(dtype), v.astype(dtype), slots)
+    out = attend(
+        q.astype(dtype),
+        k_pool,
+        v_pool,
+        meta.block_table + offset,
+        meta.kv_lens,
+        meta.cu_q_lens,
+        meta.num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+    )
+    cache = PagedKVCache(k=k_pool.reshape(kv_cache.k.shape), v=v_pool.reshape(kv_cache.v.shape))
+    return out.astype(q.dtype), cache
 
 
 def write_dense(
@@ -131,5 +222,5 @@ def dense_attention(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-KVCache = DenseKVCache
-AttentionMetadata = DenseAttentionMetadata
+KVCache = DenseKVCache | PagedKVCache
+AttentionMetadata = DenseAttentionMetadata | PagedAttentionMetadata

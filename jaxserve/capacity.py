@@ -1,0 +1,169 @@
+"""KV-cache capacity from measured memory: bytes per token and per block, the memory profile after
+the weights and the compiled step are in place, and the resulting number of KV blocks.
+
+DESIGN.md "KV cache and its capacity": on an accelerator,
+    kv_bytes = (bytes_limit - bytes_in_use - activation_peak) * free_memory_fraction
+then capped by `KvCacheConfig.max_tokens` / `max_gpu_total_bytes`, and
+    num_blocks = kv_bytes // bytes_per_block   (the smallest over the devices).
+Every term is logged. On CPU, where devices report no memory statistics, the budget is a fraction of
+the available RAM, capped at what max_batch_size sequences of max_seq_len tokens need.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# JAX's GPU allocator takes 75% of the card by default; a serving engine wants most of it.
+DEFAULT_MEM_FRACTION = "0.92"
+_raised_by_engine = False  # this process already raised it (CLI, then LLM): say so once
+
+
+def raise_memory_fraction_default(fraction: str = DEFAULT_MEM_FRACTION) -> bool:
+    """Sets XLA_PYTHON_CLIENT_MEM_FRACTION when the user has not and jax has not started a backend yet.
+
+    Returns whether it was set. Once a backend exists the allocator is sized and the variable is moot.
+    """
+    global _raised_by_engine
+    if _raised_by_engine:
+        return False
+    if MEM_FRACTION_ENV in os.environ:
+        logger.info("%s=%s (set by the user)", MEM_FRACTION_ENV, os.environ[MEM_FRACTION_ENV])
+        return False
+    if _backends_initialized():
+        logger.info("jax is already initialised; %s stays at its default (0.75 of the GPU)", MEM_FRACTION_ENV)
+        return False
+    os.environ[MEM_FRACTION_ENV] = fraction
+    _raised_by_engine = True
+    logger.info("set %s=%s so the KV cache can use most of the GPU", MEM_FRACTION_ENV, fraction)
+    return True
+
+
+def _backends_initialized() -> bool:
+    from jax._src import xla_bridge  # no public query for "has a backend been created"
+
+    return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, tp: int = 1) -> int:
+    """K and V of one token over all layers, on one device: 2 x L x kv_heads_per_shard x Dh x bytes."""
+    kv_heads_per_shard = math.ceil(num_kv_heads / tp) if num_kv_heads % tp == 0 else num_kv_heads
+    return 2 * num_layers * kv_heads_per_shard * head_dim * np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """Memory of one device once weights are loaded and the largest step is compiled (bytes)."""
+
+    bytes_limit: int
+    bytes_in_use: int
+    activation_peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvBudget:
+    """The KV pool's size and how it was reached (every term is logged)."""
+
+    num_blocks: int
+    kv_bytes: int
+    bytes_per_block: int
+    source: str  # "device memory" or "host memory"
+
+    def tokens(self, block_size: int) -> int:
+        return (self.num_blocks - 1) * block_size  # block 0 is reserved
+
+
+def device_memory(device: jax.Device) -> tuple[int, int] | None:
+    """(bytes_limit, bytes_in_use) of a device, or None where the platform reports no statistics (CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats["bytes_in_use"])
+
+
+def activation_peak(compiled: jax.stages.Compiled) -> int:
+    """Scratch memory of a compiled step beyond its arguments and outputs (XLA's temp allocation)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return 0
+    return int(analysis.temp_size_in_bytes)
+
+
+def host_available_bytes() -> int:
+    """Available RAM (Linux /proc/meminfo MemAvailable; else physical pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget(
+    config: EngineConfig, bytes_per_token: int, profiles: list[MemoryProfile] | None, host_bytes: int | None = None
+) -> KvBudget:
+    """The number of KV blocks from measured memory; raises a ValueError naming the knobs when too small."""
+    kv_config, block_size = config.kv_cache, config.kv_cache.block_size
+    bytes_per_block = bytes_per_token * block_size
+    if profiles:
+        free = [p.bytes_limit - p.bytes_in_use - p.activation_peak for p in profiles]
+        for i, (p, f) in enumerate(zip(profiles, free, strict=True)):
+            logger.info(
+                "device %d: bytes_limit %s - in use after weights %s - activation peak %s = %s free",
+                i,
+                _gib(p.bytes_limit),
+                _gib(p.bytes_in_use),
+                _gib(p.activation_peak),
+                _gib(f),
+            )
+        kv_bytes = int(max(min(free), 0) * kv_config.free_memory_fraction)
+        source = "device memory"
+    else:
+        available = host_available_bytes() if host_bytes is None else host_bytes
+        # Enough for every sequence at full length, plus the reserved block: more can never be used.
+        needed = (config.max_batch_size * config.max_blocks_per_seq + 1) * bytes_per_block
+        kv_bytes = min(int(available * kv_config.free_memory_fraction), needed)
+        source = "host memory"
+        logger.info("no device memory statistics: %s available on the host, %s needed", _gib(available), _gib(needed))
+    logger.info("free_memory_fraction %.2f -> %s for the KV cache", kv_config.free_memory_fraction, _gib(kv_bytes))
+    if kv_config.max_tokens is not None:
+        kv_bytes = min(kv_bytes, (math.ceil(kv_config.max_tokens / block_size) + 1) * bytes_per_block)
+        logger.info("capped by kv_cache.max_tokens=%d -> %s", kv_config.max_tokens, _gib(kv_bytes))
+    if kv_config.max_gpu_total_bytes is not None:
+        kv_bytes = min(kv_bytes, kv_config.max_gpu_total_bytes)
+        logger.info("capped by kv_cache.max_gpu_total_bytes -> %s", _gib(kv_bytes))
+    num_blocks = kv_bytes // bytes_per_block
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d bytes per token) = %d tokens, %s (from %s)",
+        num_blocks,
+        block_size,
+        bytes_per_token,
+        max(num_blocks - 1, 0) * block_size,
+        _gib(num_blocks * bytes_per_block),
+        source,
+    )
+    needed_blocks = config.max_blocks_per_seq + 1
+    if num_blocks < needed_blocks:
+        raise ValueError(
+            f"the KV cache holds {max(num_blocks - 1, 0) * block_size} tokens ({num_blocks} blocks, block 0 reserved) "
+            f"but one request of max_seq_len={config.max_seq_len} needs {needed_blocks - 1} blocks: lower "
+            "max_seq_len or max_batch_size / max_num_tokens (smaller activations), raise "
+            "kv_cache.free_memory_fraction or kv_cache.max_tokens, or use a smaller dtype"
+        )
+    return KvBudget(num_blocks=num_blocks, kv_bytes=kv_bytes, bytes_per_block=bytes_per_block, source=source)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

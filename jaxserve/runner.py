@@ -1,0 +1,307 @@
+"""The model runner: owns the weights, the paged KV cache and the mesh, compiles one step function per
+bucket ahead of time at warmup, and runs a step: `run(inputs) -> StepOutput` (device arrays).
+
+One compiled step (DESIGN.md "Data flow") does, on the device:
+  1. gathers the tokens the previous step sampled into this step's token_ids (overlap);
+  2. the model's forward over the flat token batch, writing K/V into the donated cache;
+  3. logits at each sequence's last token, min_tokens bans, then the sampler.
+It is the JAX stand-in for a captured CUDA graph: shapes are fixed per bucket, and anything that
+would compile after warmup is refused with an error naming the shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxserve.inputs import Bucket, BucketTable, CarriedTokens, SamplingInputs, StepInputs, TokenHistory
+from jaxserve.sampler import SamplingTensors, sample
+from models.attention import PagedAttentionMetadata, PagedKVCache
+from sharding.mesh import MODEL_AXIS, make_mesh
+from sharding.rules import shard_weights
+
+logger = logging.getLogger(__name__)
+
+# Stop ids a request can ban while it has fewer than min_tokens outputs (EOS + stop_token_ids).
+MAX_BANNED_TOKENS = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class DeviceInputs:
+    """StepInputs plus the per-step extras, as the compiled step receives them."""
+
+    token_ids: Int[Array, " T"]
+    positions: Int[Array, " T"]
+    slot_mapping: Int[Array, " T"]
+    cu_q_lens: Int[Array, " B+1"]
+    kv_lens: Int[Array, " B"]
+    block_table: Int[Array, "B M"]
+    logits_indices: Int[Array, " B"]
+    num_seqs: Int[Array, ""]
+    carried_mask: Bool[Array, " B"]  # row b's last input token is the previous step's sample ...
+    carried_source: Int[Array, " B"]  # ... of that row of the previous step
+    banned_tokens: Int[Array, "B NB"]  # token ids row b may not sample this step (padding: V)
+    step: Int[Array, ""]  # step counter, folded into the PRNG key
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One step's results on the device. token_ids is padded to max_batch_size rows, so the next step
+    can gather from it whatever bucket either step used."""
+
+    token_ids: Int[Array, " Bmax"]
+    logprobs: Float[Array, " B"]
+    ranks: Int[Array, " B"]  # 1 + tokens more likely than the sampled one, over the whole vocabulary
+    top_logprobs: Float[Array, "B N"]
+    top_token_ids: Int[Array, "B N"]
+
+
+def _gather_carried(inputs: DeviceInputs, previous_tokens: Int[Array, " Bmax"]) -> Int[Array, " T"]:
+    """token_ids with each carried row's last input replaced by the previous step's sample."""
+    num_tokens = inputs.token_ids.shape[0]
+    # Rows without a carried token scatter out of bounds (dropped): padding rows share index 0.
+    target = jnp.where(inputs.carried_mask, inputs.logits_indices, num_tokens)
+    return inputs.token_ids.at[target].set(previous_tokens[inputs.carried_source], mode="drop")
+
+
+def step_fn(
+    weights: Any,
+    kv_cache: PagedKVCache,
+    inputs: DeviceInputs,
+    sampling: SamplingTensors,
+    previous_tokens: Int[Array, " Bmax"],
+    key: Array,
+    token_history: Int[Array, "B S"] | None,
+    num_prompt_tokens: Int[Array, " B"] | None,
+    *,
+    family: ModuleType,
+    cfg: Any,
+    backend: str,
+    num_top_logprobs: int,
+) -> tuple[StepOutput, PagedKVCache]:
+    """One engine step on the device (see the module docstring)."""
+    token_ids = _gather_carried(inputs, previous_tokens)
+    meta = PagedAttentionMetadata(
+        slot_mapping=inputs.slot_mapping,
+        block_table=inputs.block_table,
+        kv_lens=inputs.kv_lens,
+        cu_q_lens=inputs.cu_q_lens,
+        num_seqs=inputs.num_seqs,
+        backend=backend,
+    )
+    hidden, kv_cache = family.forward(weights, token_ids, inputs.positions, kv_cache, meta, cfg)
+    logits = family.compute_logits(weights, hidden[inputs.logits_indices], cfg)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, inputs.banned_tokens].set(-jnp.inf, mode="drop")
+    if token_history is not None:
+        # The carried token is also the newest entry of its row's history.
+        carried = token_ids[inputs.logits_indices]
+        column = jnp.where(inputs.carried_mask, inputs.positions[inputs.logits_indices], token_history.shape[1])
+        token_history = token_history.at[jnp.arange(column.shape[0]), column].set(carried, mode="drop")
+    key = jax.random.fold_in(key, inputs.step)
+    out = sample(
+        logits,
+        sampling,
+        key,
+        num_top_logprobs=num_top_logprobs,
+        token_history=token_history,
+        num_prompt_tokens=num_prompt_tokens,
+    )
+    padded = jnp.zeros_like(previous_tokens).at[: out.token_ids.shape[0]].set(out.token_ids)
+    # The rank needs the whole vocabulary: a token outside the top-N alternatives has no place among them.
+    chosen = jnp.take_along_axis(logits, out.token_ids[:, None], axis=-1)
+    ranks = 1 + jnp.sum(logits > chosen, axis=-1, dtype=jnp.int32)
+    return StepOutput(padded, out.logprobs, ranks, out.top_logprobs, out.top_token_ids), kv_cache
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerSpec:
+    """What fixes the compiled steps: the model, the KV pool, the buckets and the sampler's variants."""
+
+    family: ModuleType
+    cfg: Any
+    buckets: BucketTable
+    dtype: jnp.dtype
+    backend: str  # "pallas" | "xla"
+    vocab_size: int
+    max_seq_len: int
+    num_top_logprobs: int
+    penalty_variants: bool  # also compile each bucket with a token history for the penalties
+
+
+class Runner:
+    """Weights, KV cache and the compiled step per (bucket, penalties) pair; see the module docstring."""
+
+    def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh | None = None, seed: int = 0) -> None:
+        self.spec = spec
+        self.mesh = mesh if mesh is not None else make_mesh(tp=1, devices=jax.devices()[:1])
+        if spec.backend == "pallas" and self.mesh.shape[MODEL_AXIS] > 1:
+            raise NotImplementedError(
+                "attention_backend='pallas' with tensor parallelism needs the kernels under shard_map, "
+                "which is not built yet; use attention_backend='xla' for tp > 1"
+            )
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.weights = shard_weights(weights, spec.family.param_specs(spec.cfg), self.mesh)
+        self.kv_cache: PagedKVCache | None = None
+        self.num_blocks = 0
+        self._key = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
+        self._previous = jax.device_put(np.zeros(spec.buckets.max_batch_size, np.int32), self._replicated)
+        self._compiled: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
+        self._step_count = 0
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def _cache_sharding(self) -> NamedSharding:
+        tp = self.mesh.shape[MODEL_AXIS]
+        kv_axis = MODEL_AXIS if self.spec.cfg.num_kv_heads % tp == 0 else None  # replicated when tp > K
+        return NamedSharding(self.mesh, PartitionSpec(None, None, None, kv_axis, None))
+
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        cfg = self.spec.cfg
+        return (cfg.num_layers, num_blocks, self.spec.buckets.block_size, cfg.num_kv_heads, cfg.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the zeroed block pool; compiled steps are specialised to its size."""
+        if self._compiled:
+            raise RuntimeError("the KV cache is allocated once, before warmup")
+        shape, sharding = self._cache_shape(num_blocks), self._cache_sharding()
+        zeros = jax.jit(partial(jnp.zeros, shape, self.spec.dtype), out_shardings=sharding)
+        self.kv_cache, self.num_blocks = PagedKVCache(k=zeros(), v=zeros()), num_blocks
+
+    # ---- compilation ----------------------------------------------------------------------------
+
+    def _abstract_args(self, bucket: Bucket, penalties: bool, num_blocks: int) -> tuple:
+        rep = self._replicated
+        T, B, M = bucket.num_tokens, bucket.num_seqs, self.spec.buckets.max_blocks_per_seq
+
+        def arr(shape: tuple[int, ...], dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+        inputs = DeviceInputs(
+            token_ids=arr((T,)),
+            positions=arr((T,)),
+            slot_mapping=arr((T,)),
+            cu_q_lens=arr((B + 1,)),
+            kv_lens=arr((B,)),
+            block_table=arr((B, M)),
+            logits_indices=arr((B,)),
+            num_seqs=arr(()),
+            carried_mask=arr((B,), jnp.bool_),
+            carried_source=arr((B,)),
+            banned_tokens=arr((B, MAX_BANNED_TOKENS)),
+            step=arr(()),
+        )
+        sampling = jax.tree_util.tree_map(
+            lambda x: arr(x.shape, x.dtype), SamplingTensors.neutral(B), is_leaf=lambda x: isinstance(x, jax.Array)
+        )
+        cache_leaf = jax.ShapeDtypeStruct(
+            self._cache_shape(num_blocks), self.spec.dtype, sharding=self._cache_sharding()
+        )
+        weights = jax.tree_util.tree_map(
+            lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding), self.weights
+        )
+        history = (arr((B, self.spec.max_seq_len)), arr((B,))) if penalties else (None, None)
+        previous = arr((self.spec.buckets.max_batch_size,))
+        key = jax.ShapeDtypeStruct(self._key.shape, self._key.dtype, sharding=rep)
+        return (weights, PagedKVCache(cache_leaf, cache_leaf), inputs, sampling, previous, key, *history)
+
+    def compile_step(self, bucket: Bucket, penalties: bool, num_blocks: int | None = None) -> jax.stages.Compiled:
+        """Lowers and compiles the step for one bucket (not cached here: warmup stores the results)."""
+        spec = self.spec
+        fn = partial(
+            step_fn, family=spec.family, cfg=spec.cfg, backend=spec.backend, num_top_logprobs=spec.num_top_logprobs
+        )
+        jitted = jax.jit(fn, donate_argnums=(1,))  # argument 1 is the KV cache: updated in place
+        args = self._abstract_args(bucket, penalties, self.num_blocks if num_blocks is None else num_blocks)
+        return jitted.lower(*args).compile()
+
+    def warmup(self, show_progress: bool = True) -> float:
+        """Compiles every bucket (with and without penalties) ahead of time; returns the seconds taken."""
+        from tqdm.auto import tqdm
+
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache before warmup")
+        variants = (False, True) if self.spec.penalty_variants else (False,)
+        shapes = [(b, p) for b in self.spec.buckets.buckets for p in variants]
+        start = time.perf_counter()
+        for bucket, penalties in tqdm(shapes, desc="compiling step buckets", disable=not show_progress):
+            t0 = time.perf_counter()
+            self._compiled[(bucket, penalties)] = self.compile_step(bucket, penalties)
+            logger.info(
+                "compiled T=%d B=%d penalties=%s in %.2fs",
+                bucket.num_tokens,
+                bucket.num_seqs,
+                penalties,
+                time.perf_counter() - t0,
+            )
+        total = time.perf_counter() - start
+        logger.info("warmup: %d step variants in %.1fs", len(shapes), total)
+        return total
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def run(
+        self,
+        inputs: StepInputs,
+        sampling: SamplingInputs,
+        carried: CarriedTokens,
+        banned_tokens: np.ndarray,
+        history: TokenHistory | None = None,
+    ) -> StepOutput:
+        """Dispatches one precompiled step; returns its device outputs without waiting for them."""
+        bucket = inputs.bucket
+        compiled = self._compiled.get((bucket, history is not None))
+        if compiled is None:
+            shapes = [(b.num_tokens, b.num_seqs) for b in self.spec.buckets.buckets]
+            raise RuntimeError(
+                f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} penalties={history is not None}: "
+                f"shapes are compiled only at warmup (compiled (T, B): {shapes})"
+            )
+        device_inputs = DeviceInputs(
+            **inputs.arrays(),
+            carried_mask=carried.mask,
+            carried_source=carried.source_row,
+            banned_tokens=banned_tokens,
+            step=np.int32(self._step_count),
+        )
+        sampling_tensors = _host_sampling(sampling)
+        hist = (history.token_ids, history.num_prompt_tokens) if history is not None else (None, None)
+        out, self.kv_cache = compiled(
+            self.weights, self.kv_cache, device_inputs, sampling_tensors, self._previous, self._key, *hist
+        )
+        self._previous = out.token_ids
+        self._step_count += 1
+        return out
+
+
+def _host_sampling(sampling: SamplingInputs) -> SamplingTensors:
+    """The sampling arrays as numpy leaves: the compiled step transfers them with the other inputs."""
+    return SamplingTensors(**sampling.arrays())
+
+
+def default_compilation_cache_dir() -> str:
+    base = os.environ.get("JAXSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+    return os.path.join(base, "xla")
+
+
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """Turns on jax's persistent compilation cache (unless the user configured one), so a restart is fast."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = cache_dir or default_compilation_cache_dir()
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    logger.info("persistent compilation cache: %s", path)

@@ -1,0 +1,208 @@
+"""KV capacity: bytes per token, the budget from measured memory profiles (every term, the user caps,
+the error that names the knobs), the CPU fallback, and raising JAX's GPU memory fraction."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import capacity
+from jaxserve.capacity import MemoryProfile, kv_budget, kv_bytes_per_token
+from jaxserve.config import EngineConfig, KvCacheConfig
+
+MiB = 2**20
+GB = 10**9
+BYTES_PER_TOKEN = 1024
+BLOCK_SIZE = 16
+BYTES_PER_BLOCK = BYTES_PER_TOKEN * BLOCK_SIZE
+
+
+def engine_config(max_batch_size: int = 4, max_seq_len: int = 256, **kv: object) -> EngineConfig:
+    return EngineConfig(
+        max_batch_size=max_batch_size,
+        max_num_tokens=64,
+        max_seq_len=max_seq_len,
+        kv_cache=KvCacheConfig(block_size=BLOCK_SIZE, **kv),
+    )
+
+
+@pytest.mark.parametrize(
+    "layers, kv_heads, head_dim, dtype, tp, expected",
+    [
+        (32, 8, 128, jnp.bfloat16, 1, 128 * 1024),  # Llama-3.1-8B: 128 KiB per token
+        (32, 8, 128, jnp.bfloat16, 4, 32 * 1024),  # kv heads split over 4 devices
+        (30, 3, 64, jnp.float32, 1, 2 * 30 * 3 * 64 * 4),  # SmolLM2-135M in float32
+        (30, 3, 64, jnp.float32, 2, 2 * 30 * 3 * 64 * 4),  # 3 kv heads over 2 devices: replicated
+        (2, 2, 16, np.float16, 1, 2 * 2 * 2 * 16 * 2),
+    ],
+)
+def test_bytes_per_token(layers, kv_heads, head_dim, dtype, tp, expected):
+    assert kv_bytes_per_token(layers, kv_heads, head_dim, dtype, tp) == expected
+
+
+def test_budget_from_one_device_profile_uses_every_term(caplog):
+    profile = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=20 * MiB, activation_peak=5 * MiB)
+
+    with caplog.at_level(logging.INFO, logger="jaxserve.capacity"):
+        budget = kv_budget(engine_config(free_memory_fraction=0.5), BYTES_PER_TOKEN, [profile])
+
+    kv_bytes = int(75 * MiB * 0.5)
+    assert budget.kv_bytes == kv_bytes and budget.bytes_per_block == BYTES_PER_BLOCK
+    assert budget.num_blocks == kv_bytes // BYTES_PER_BLOCK
+    assert budget.tokens(BLOCK_SIZE) == (budget.num_blocks - 1) * BLOCK_SIZE  # block 0 is reserved
+    assert budget.source == "device memory"
+    log = caplog.text
+    for term in ("bytes_limit 0.10 GiB", "in use after weights 0.02 GiB", "activation peak 0.00 GiB"):
+        assert term in log
+    assert "free_memory_fraction 0.50" in log and f"{budget.num_blocks} blocks" in log
+
+
+def test_budget_is_the_smallest_over_devices():
+    roomy = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=10 * MiB, activation_peak=0)
+    tight = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=60 * MiB, activation_peak=10 * MiB)
+
+    budget = kv_budget(engine_config(), BYTES_PER_TOKEN, [roomy, tight])
+
+    assert budget.kv_bytes == int(30 * MiB * 0.9)
+
+
+def test_default_fraction_on_an_8b_model_leaves_room_for_750k_tokens():
+    """The issue's sizing: a 150 GB card, 16 GB of weights, 128 KiB of KV per token."""
+    profile = MemoryProfile(bytes_limit=int(0.92 * 150 * GB), bytes_in_use=16 * GB, activation_peak=2 * GB)
+    config = EngineConfig(max_batch_size=256, max_num_tokens=8192, max_seq_len=131072)
+
+    budget = kv_budget(config, kv_bytes_per_token(32, 8, 128, jnp.bfloat16), [profile])
+
+    assert budget.tokens(16) >= 750_000
+
+
+@pytest.mark.parametrize(
+    "max_tokens, max_total_bytes, expected_blocks",
+    [
+        (1000, None, 1000 // BLOCK_SIZE + 2),  # ceil(1000 / 16) = 63 blocks for the tokens, plus block 0
+        (None, 70 * BYTES_PER_BLOCK + 5, 70),
+        (1000, 40 * BYTES_PER_BLOCK, 40),  # the smaller cap wins
+        (10**9, 10**12, int(90 * MiB * 0.9) // BYTES_PER_BLOCK),  # caps above the measured budget change nothing
+    ],
+)
+def test_user_caps(max_tokens, max_total_bytes, expected_blocks):
+    profile = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=10 * MiB, activation_peak=0)
+    config = engine_config(max_tokens=max_tokens, max_gpu_total_bytes=max_total_bytes)
+
+    budget = kv_budget(config, BYTES_PER_TOKEN, [profile])
+
+    assert budget.num_blocks == expected_blocks
+    if max_total_bytes is None:
+        assert budget.tokens(BLOCK_SIZE) >= max_tokens
+
+
+def test_a_budget_for_exactly_one_full_length_request_is_accepted():
+    config = engine_config(max_seq_len=256, max_gpu_total_bytes=17 * BYTES_PER_BLOCK)  # 16 blocks + block 0
+    profile = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=0, activation_peak=0)
+    assert kv_budget(config, BYTES_PER_TOKEN, [profile]).num_blocks == 17
+
+
+@pytest.mark.parametrize(
+    "profile, kv",
+    [
+        (MemoryProfile(100 * MiB, 10 * MiB, 0), {"max_gpu_total_bytes": 16 * MiB}),  # one block short
+        (MemoryProfile(100 * MiB, 10 * MiB, 0), {"max_tokens": 100}),
+        (MemoryProfile(100 * MiB, 99 * MiB, 0), {}),  # the weights leave 1 MiB
+        (MemoryProfile(100 * MiB, 60 * MiB, 50 * MiB), {}),  # the activations exceed what is left
+    ],
+    ids=["bytes-cap", "token-cap", "weights", "activations"],
+)
+def test_too_small_for_one_max_seq_len_request_names_the_knobs(profile, kv):
+    config = engine_config(max_seq_len=256, **kv)
+    with pytest.raises(ValueError) as error:
+        kv_budget(config, MiB // BLOCK_SIZE, [profile])  # 1 MiB per block
+    message = str(error.value)
+    assert "max_seq_len=256 needs 16 blocks" in message
+    for knob in ("max_seq_len", "max_batch_size", "max_num_tokens", "free_memory_fraction", "max_tokens", "dtype"):
+        assert knob in message
+
+
+def test_cpu_fallback_is_capped_at_what_the_batch_can_use():
+    config = engine_config(max_batch_size=4, max_seq_len=256)  # 4 sequences x 16 blocks
+
+    roomy = kv_budget(config, BYTES_PER_TOKEN, None, host_bytes=64 * 2**30)
+    tight = kv_budget(config, BYTES_PER_TOKEN, None, host_bytes=40 * BYTES_PER_BLOCK)
+
+    assert roomy.num_blocks == 4 * 16 + 1 and roomy.source == "host memory"
+    assert tight.num_blocks == int(40 * BYTES_PER_BLOCK * 0.9) // BYTES_PER_BLOCK
+    capped = kv_budget(engine_config(max_tokens=20 * BLOCK_SIZE), BYTES_PER_TOKEN, None, host_bytes=64 * 2**30)
+    assert capped.num_blocks == 21
+
+
+def test_cpu_fallback_reads_the_host_when_not_given():
+    assert capacity.host_available_bytes() > 0
+    budget = kv_budget(engine_config(), BYTES_PER_TOKEN, None)
+    assert budget.source == "host memory" and budget.num_blocks == 4 * 16 + 1
+
+
+def test_device_memory_and_activation_peak_readers():
+    assert capacity.device_memory(SimpleNamespace(memory_stats=lambda: None)) is None
+    assert capacity.device_memory(SimpleNamespace(memory_stats=lambda: {"bytes_in_use": 3})) is None
+    stats = {"bytes_limit": 1000, "bytes_in_use": 300, "peak_bytes_in_use": 500}
+    assert capacity.device_memory(SimpleNamespace(memory_stats=lambda: stats)) == (1000, 300)
+
+    assert capacity.activation_peak(SimpleNamespace(memory_analysis=lambda: None)) == 0
+    analysis = SimpleNamespace(temp_size_in_bytes=4096, argument_size_in_bytes=10**6)
+    assert capacity.activation_peak(SimpleNamespace(memory_analysis=lambda: analysis)) == 4096
+    compiled = jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x).T).lower(jnp.ones((64, 64))).compile()
+    assert isinstance(capacity.activation_peak(compiled), int) and capacity.activation_peak(compiled) >= 0
+
+
+_MEMORY_FRACTION_PRELUDE = """
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from jaxserve import capacity
+env = capacity.MEM_FRACTION_ENV
+def call():
+    return [capacity.raise_memory_fraction_default(), os.environ.get(env)]
+"""
+# The user's value is kept; once jax has a backend the variable is moot and left alone.
+_USER_SET_THEN_INITIALISED = """
+os.environ[env] = "0.5"
+user_set = call()
+del os.environ[env]
+import jax
+jax.devices()
+print(json.dumps([user_set, call()]))
+"""
+# Unset before jax starts: raised, once per process.
+_UNSET = """
+print(json.dumps([call(), call()]))
+"""
+
+
+def run_fresh(script: str) -> tuple[list, str]:
+    """Runs the prelude and `script` in a new Python process; returns its printed JSON and its log."""
+    env = {k: v for k, v in os.environ.items() if k != capacity.MEM_FRACTION_ENV}
+    env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, "-c", _MEMORY_FRACTION_PRELUDE + script]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_memory_fraction_is_kept_when_set_by_the_user_or_when_jax_has_started():
+    (user_set, initialised), log = run_fresh(_USER_SET_THEN_INITIALISED)
+    assert user_set == [False, "0.5"] and "=0.5 (set by the user)" in log
+    assert initialised == [False, None] and "already initialised" in log
+
+
+def test_memory_fraction_is_raised_when_unset_before_jax_starts():
+    (first, second), log = run_fresh(_UNSET)
+    fraction = capacity.DEFAULT_MEM_FRACTION
+    assert first == [True, fraction] and second == [False, fraction]
+    assert log.count(f"set {capacity.MEM_FRACTION_ENV}={fraction}") == 1

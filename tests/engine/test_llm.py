@@ -1,0 +1,394 @@
+"""The LLM API end to end on a tiny random Llama: outputs and metrics, limits from the model config,
+sampling inside the engine (greedy, top-k, seeds, n samples, logprobs, penalties), the stop rules,
+bad input, streaming and chat.
+
+Expected tokens and logprobs come from the dense reference path (a dense forward over prompt + output,
+one compiled shape for every sequence) and from numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve.config import CompileConfig
+from jaxserve.sampling import SamplingParams
+
+VOCAB = 160
+MODEL_MAX_SEQ_LEN = 256  # the tiny model's max_position_embeddings
+EOS_PROMPT = [11, 22, 33, 44, 55, 66, 77]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
+
+
+def first_new_token_index(tokens: list[int], start: int = 2) -> int:
+    """The first index >= start whose token did not occur before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def dense_greedy(model, dense_logits):
+    """Greedy continuations on the dense path, each token the argmax of a forward over the sequence so far."""
+
+    def greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        continuations = []
+        for prompt in prompts:
+            tokens = list(prompt)
+            for _ in range(max_tokens):
+                tokens.append(int(np.argmax(dense_logits(model, tokens)[-1])))
+            continuations.append(tokens[len(prompt) :])
+        return continuations
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def eos_continuation(dense_greedy) -> list[int]:
+    """The greedy continuation of EOS_PROMPT; the tokenizer's EOS is one of its tokens."""
+    return dense_greedy([EOS_PROMPT], 16)[0]
+
+
+@pytest.fixture(scope="module")
+def eos_index(eos_continuation) -> int:
+    return first_new_token_index(eos_continuation)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(char_tokenizer, eos_continuation, eos_index):
+    return char_tokenizer(eos_token_ids=[eos_continuation[eos_index]])
+
+
+@pytest.fixture(scope="module")
+def llm(model, tokenizer, make_llm):
+    """A larger max_seq_len than the model supports (clamped to it), and the penalty variants compiled."""
+    buckets = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=True)
+    return make_llm(model, tokenizer, compile_config=buckets, max_seq_len=4 * MODEL_MAX_SEQ_LEN)
+
+
+@pytest.fixture
+def serves_after(llm, dense_greedy, assert_engine_idle):
+    """After the test: the engine is idle, leaks nothing, and still serves a greedy request correctly."""
+    yield
+    assert_engine_idle(llm)
+    prompt = random_prompt(99, 20)
+    output = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == dense_greedy([prompt], 10)[0]
+
+
+def log_softmax64(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+# ---- limits and outputs ----------------------------------------------------------------------
+
+
+def test_limits_follow_the_model_config(llm):
+    assert llm.config.max_seq_len == MODEL_MAX_SEQ_LEN  # the larger requested value was clamped
+    assert llm.config.max_num_tokens == 32 and llm.config.max_batch_size == 4
+
+
+def test_text_prompt_gives_a_complete_request_output(llm, tokenizer, dense_greedy, serves_after):
+    text = tokenizer.decode(random_prompt(1, 12))
+
+    output = llm.generate(text, GREEDY, use_tqdm=False)[0]
+
+    assert output.prompt == text and output.prompt_token_ids == tokenizer.encode(text)
+    assert output.finished and output.error is None
+    completion = output.outputs[0]
+    assert completion.token_ids == dense_greedy([output.prompt_token_ids], 10)[0]
+    assert completion.text == tokenizer.decode(completion.token_ids)
+    assert (completion.finish_reason, completion.stop_reason, completion.logprobs) == ("length", None, None)
+    metrics = output.metrics
+    assert 0 < metrics.time_to_first_token <= metrics.latency
+
+
+def test_one_prompt_of_token_ids_is_one_request(llm):
+    prompt = random_prompt(2, 9)
+    outputs = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert len(outputs) == 1 and outputs[0].prompt is None and outputs[0].prompt_token_ids == prompt
+
+
+# ---- sampling --------------------------------------------------------------------------------
+
+
+def test_top_k_1_is_greedy(llm, dense_greedy):
+    prompts = [random_prompt(3 + i, 5 + 7 * i) for i in range(5)]
+    top_k_1 = SamplingParams(temperature=1.3, top_k=1, max_tokens=10, ignore_eos=True)
+
+    outputs = llm.generate(prompts, top_k_1, use_tqdm=False)
+
+    assert [o.outputs[0].token_ids for o in outputs] == dense_greedy(prompts, 10)
+
+
+def test_a_seed_reproduces_its_tokens_whatever_the_batch(llm):
+    prompt = random_prompt(10, 23)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    others = [random_prompt(20 + i, 3 + 9 * i) for i in range(5)]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)
+
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = [*others[:3], prompt, *others[3:]]
+    params = [unseeded] * 3 + [seeded] + [unseeded] * 2
+    in_batch = llm.generate(batch, params, use_tqdm=False)[3].outputs[0].token_ids
+    other_seed = dataclasses.replace(seeded, seed=4321)
+    different = llm.generate([prompt], other_seed, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert len(alone) == 12 and in_batch == alone
+    assert different != alone
+
+
+def test_n_samples_share_the_prompt_and_differ(llm, dense_greedy, serves_after):
+    prompt = random_prompt(30, 40)  # two full blocks shared by the forks
+
+    sampled = llm.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
+    greedy = llm.generate([prompt], dataclasses.replace(GREEDY, n=3), use_tqdm=False)[0]
+
+    assert [c.index for c in sampled.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in sampled.outputs)
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1, "the samples are not independent"
+    expected = dense_greedy([prompt], 10)[0]
+    assert [c.token_ids for c in greedy.outputs] == [expected] * 3
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 5])
+def test_logprobs_are_the_log_softmax_of_the_reference_logits(llm, model, dense_logits, num_logprobs):
+    prompt = random_prompt(40, 19)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True, logprobs=num_logprobs)
+
+    completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+    tokens = completion.token_ids
+    assert len(completion.logprobs) == len(tokens) == 8
+    reference = log_softmax64(dense_logits(model, prompt + tokens))
+    for i, (token, entry) in enumerate(zip(tokens, completion.logprobs, strict=True)):
+        expected = reference[len(prompt) + i - 1]
+        top = np.argsort(-expected, kind="stable")[:num_logprobs].tolist()
+        assert token in entry and set(entry) == {token, *top}, f"position {i}"
+        for token_id, logprob in entry.items():
+            np.testing.assert_allclose(logprob.logprob, expected[token_id], atol=1e-4, rtol=0)
+            assert logprob.rank == 1 + int(np.sum(expected > expected[token_id] + 1e-4))
+
+
+def test_penalties_match_a_numpy_reference(llm, model, dense_logits, dense_greedy):
+    """Greedy decoding with all three penalties, against argmax over penalised dense logits."""
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9, 50, 51, 52] + random_prompt(50, 9)
+    repetition, presence, frequency = 1.6, 0.5, 0.7
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        ignore_eos=True,
+        repetition_penalty=repetition,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
+
+    outputs = llm.generate([prompt, prompt], [params, GREEDY], use_tqdm=False)
+
+    expected: list[int] = []
+    for _ in range(12):
+        logits = dense_logits(model, prompt + expected)[-1].astype(np.float64)
+        seen = np.zeros(VOCAB, bool)
+        seen[prompt + expected] = True
+        logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+        counts = np.bincount(expected, minlength=VOCAB)
+        logits -= frequency * counts + presence * (counts > 0)
+        expected.append(int(np.argmax(logits)))
+    assert outputs[0].outputs[0].token_ids == expected
+    assert outputs[1].outputs[0].token_ids == dense_greedy([prompt], 10)[0]
+    assert expected[:10] != outputs[1].outputs[0].token_ids, "the penalties changed nothing"
+
+
+# ---- stop rules ------------------------------------------------------------------------------
+
+
+def test_eos_stops_unless_min_tokens_or_ignore_eos(llm, model, dense_logits, eos_continuation, eos_index):
+    eos = eos_continuation[eos_index]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    held_back = dataclasses.replace(greedy, min_tokens=eos_index + 2)
+    ignoring = dataclasses.replace(greedy, ignore_eos=True)
+
+    stopped, delayed, ignored = llm.generate([EOS_PROMPT] * 3, [greedy, held_back, ignoring], use_tqdm=False)
+
+    assert stopped.outputs[0].token_ids == eos_continuation[: eos_index + 1]
+    assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", None)
+    tokens = delayed.outputs[0].token_ids
+    assert tokens[:eos_index] == eos_continuation[:eos_index]
+    assert eos not in tokens[: eos_index + 2]
+    logits = dense_logits(model, EOS_PROMPT + tokens[:eos_index])[-1].copy()
+    logits[eos] = -np.inf
+    assert tokens[eos_index] == int(np.argmax(logits)), "min_tokens must fall back to the best other token"
+    assert ignored.outputs[0].token_ids == eos_continuation
+    assert ignored.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_stop_strings_and_max_tokens(llm, tokenizer, dense_greedy):
+    prompt = random_prompt(60, 14)
+    reference = dense_greedy([prompt], 16)[0]
+    text = tokenizer.decode(reference)
+    j = first_new_token_index(reference)
+    k = next(i for i in range(2, 14) if text.find(text[i : i + 2]) == i)  # first occurrence of a 2-token string
+    stop_string = text[k : k + 2]
+    base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = [
+        dataclasses.replace(base, stop_token_ids=(reference[j],)),
+        dataclasses.replace(base, stop=(stop_string, "never")),
+        dataclasses.replace(base, stop=(stop_string,), max_tokens=k + 2),  # both stops on one token
+        dataclasses.replace(base, max_tokens=5),
+    ]
+
+    by_id, by_string, both, by_length = (o.outputs[0] for o in llm.generate([prompt] * 4, params, use_tqdm=False))
+
+    assert by_id.token_ids == reference[: j + 1]
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", reference[j])
+    for completion in (by_string, both):
+        assert completion.token_ids == reference[: k + 2]
+        assert completion.text == text[:k], "the stop string is not part of the output"
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_string)
+    assert by_length.token_ids == reference[:5] and by_length.finish_reason == "length"
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+INVALID_FIELDS = [
+    ("n", 0),
+    ("temperature", -1.0),
+    ("top_k", 0),
+    ("top_p", 1.5),
+    ("min_p", -0.5),
+    ("repetition_penalty", 0.0),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0),
+    ("seed", 0.5),
+    ("max_tokens", 0),
+    ("min_tokens", -1),
+    ("stop", ("",)),
+    ("stop_token_ids", (-3,)),
+    ("ignore_eos", "yes"),
+    ("logprobs", 21),
+    ("prompt_logprobs", 21),
+    ("skip_special_tokens", None),
+]
+
+
+@pytest.mark.parametrize("field, value", INVALID_FIELDS, ids=[f for f, _ in INVALID_FIELDS])
+def test_each_invalid_sampling_field_is_a_value_error_and_the_engine_serves_on(llm, field, value, serves_after):
+    """Rejected when built, and again by generate() if an invalid value was forced into a built object."""
+    with pytest.raises(ValueError, match=field):
+        llm.generate([random_prompt(70, 5)], SamplingParams(**{field: value}), use_tqdm=False)
+    forced = SamplingParams(max_tokens=4)
+    object.__setattr__(forced, field, value)  # frozen dataclasses can still be mutated this way
+
+    with pytest.raises(ValueError, match=f"prompt 1: .*{field}"):
+        llm.generate([random_prompt(71, 5), random_prompt(72, 6)], [SamplingParams(), forced], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "prompt is empty"),
+        ("", "prompt is empty"),
+        ([5, VOCAB], r"\[0, 159\]; got \[160\]"),
+        ([-1, 3], r"\[0, 159\]; got \[-1\]"),
+    ],
+    ids=["empty-ids", "empty-text", "id-too-large", "negative-id"],
+)
+def test_malformed_prompts_are_value_errors(llm, prompt, message, serves_after):
+    with pytest.raises(ValueError, match=f"prompt 1: .*{message}"):
+        llm.generate([random_prompt(80, 4), prompt], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(prompt_logprobs=2), "prompt_logprobs is not supported"),
+        (SamplingParams(min_tokens=2, stop_token_ids=range(8)), "min_tokens can hold back at most 8"),
+    ],
+    ids=["prompt-logprobs", "too-many-banned-ids"],
+)
+def test_what_the_engine_cannot_serve_is_a_value_error(llm, params, message, serves_after):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([random_prompt(81, 4)], params, use_tqdm=False)
+
+
+def test_a_prompt_longer_than_max_seq_len_fails_alone(llm, dense_greedy, serves_after):
+    prompts = [random_prompt(90, 10), random_prompt(91, MODEL_MAX_SEQ_LEN), random_prompt(92, 30)]
+
+    short, too_long, other = llm.generate(prompts, GREEDY, use_tqdm=False)
+
+    assert too_long.finished and "max_seq_len" in too_long.error
+    assert too_long.outputs[0].finish_reason == "error" and too_long.outputs[0].token_ids == []
+    expected = dense_greedy([prompts[0], prompts[2]], 10)
+    assert [short.outputs[0].token_ids, other.outputs[0].token_ids] == expected
+    assert short.error is None and other.error is None
+
+
+def test_max_tokens_none_runs_to_max_seq_len(llm, dense_greedy):
+    prompt = random_prompt(95, MODEL_MAX_SEQ_LEN - 6)
+
+    output = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True), use_tqdm=False)
+
+    assert output[0].outputs[0].token_ids == dense_greedy([prompt], 6)[0]
+    assert output[0].outputs[0].finish_reason == "length"
+
+
+def test_abort_mid_generation_frees_everything(llm, serves_after):
+    engine = llm.engine
+    request_id = engine.add_request(random_prompt(96, 50), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+
+    engine.abort(request_id)
+    outputs = [o for _ in range(3) for o in engine.step() if o.request_id == request_id]
+
+    assert len(outputs) == 1 and outputs[0].finished
+    assert outputs[0].outputs[0].finish_reason == "abort"
+    assert 0 < len(outputs[0].outputs[0].token_ids) < 50
+
+
+# ---- streaming and chat ----------------------------------------------------------------------
+
+
+def test_stream_yields_growing_outputs_ending_like_generate(llm, serves_after):
+    prompt = random_prompt(100, 37)
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=9, ignore_eos=True)
+
+    partials = list(llm.stream(prompt, params))
+
+    final = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert [p.finished for p in partials] == [False] * (len(partials) - 1) + [True]
+    token_counts = [len(p.outputs[0].token_ids) for p in partials]
+    assert token_counts == list(range(1, 10))
+    for earlier, later in zip(partials[:-1], partials[1:], strict=True):
+        assert later.outputs[0].token_ids[: len(earlier.outputs[0].token_ids)] == earlier.outputs[0].token_ids
+        assert later.outputs[0].text.startswith(earlier.outputs[0].text)
+    assert partials[-1].outputs[0].token_ids == final.token_ids and partials[-1].outputs[0].text == final.text
+    assert partials[-1].outputs[0].finish_reason == "length"
+
+
+def test_chat_applies_the_template(llm, tokenizer, dense_greedy):
+    conversations = [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}],
+    ]
+
+    single = llm.chat(conversations[0], GREEDY, use_tqdm=False)
+    both = llm.chat(conversations, GREEDY, use_tqdm=False)
+
+    prompts = [tokenizer.apply_chat_template(c) for c in conversations]
+    assert [o.prompt_token_ids for o in both] == prompts
+    assert [o.outputs[0].token_ids for o in both] == dense_greedy(prompts, 10)
+    assert single[0].outputs[0].token_ids == both[0].outputs[0].token_ids
