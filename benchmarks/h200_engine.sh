@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The engine figures of docs/benchmarks.md on one H200, in two parts (each fits one device call):
+#   bash benchmarks/h200_engine.sh llama8b   # ceilings, then the Llama-3.1-8B-shaped model (cold, then cached warmup)
+#   bash benchmarks/h200_engine.sh smollm2   # SmolLM2: pallas cold + cached warmup, then xla, token comparison
+# Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD JAXSERVE_CACHE=${JAXSERVE_CACHE:-$HOME/.cache/jaxserve}
+run() {  # run NAME TIMEOUT ARGS...: one benchmark process, its JSON line to results, its log kept
+  local name=$1 limit=$2; shift 2
+  echo "== $name: python benchmarks/engine.py $*"
+  timeout "$limit" python3 benchmarks/engine.py "$@" 2>"$OUT/$name.log" | tee -a "$OUT/results.jsonl"
+  grep -E "jaxserve.(capacity|runner: warmup)|Error|error" "$OUT/$name.log" | cut -c1-220 | tail -n 14
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+case "${1:-}" in
+  llama8b)
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from attention import ceilings; print('CEILINGS', ceilings())"
+    L=(--model llama8b --backend pallas --max-seq-len 2048 --decode-sizes 64,128,256 --token-buckets 2048,8192)
+    run llama8b_cold 330 "${L[@]}" --num-prompts 256 --prompt-len 128 --max-tokens 128
+    run llama8b_cached 150 "${L[@]}" --num-prompts 64 --prompt-len 128 --max-tokens 16
+    ;;
+  smollm2)
+    S=(--model smollm2 --max-seq-len 256 --max-batch-size 256 --num-prompts 256 --prompt-len 128 --max-tokens 128)
+    run smollm2_pallas_cold 200 "${S[@]}" --backend pallas --save-tokens "$OUT/pallas_tokens.npy"
+    run smollm2_pallas_cached 100 "${S[@]}" --backend pallas
+    run smollm2_xla 200 "${S[@]}" --backend xla --compare-tokens "$OUT/pallas_tokens.npy"
+    ;;
+  *) echo "usage: $0 llama8b|smollm2" >&2; exit 2 ;;
+esac

@@ -1,0 +1,48 @@
+"""Cost of the sampler's pieces at a large vocabulary: argmax, log_softmax, lax.top_k(20), and the
+whole `sample` with and without top logprobs.
+
+    python benchmarks/sampler_topk.py --batch 256 --vocab 128256
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sampler import SamplingTensors, sample
+
+
+def timed(fn, *args, reps: int = 20) -> float:
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=128256)
+    args = parser.parse_args()
+    logits = jax.random.normal(jax.random.key(0), (args.batch, args.vocab), jnp.float32)
+    params = SamplingTensors.neutral(args.batch)
+    key = jax.random.PRNGKey(0)
+    rows = [
+        ("argmax", jax.jit(lambda x: jnp.argmax(x, -1))),
+        ("log_softmax", jax.jit(lambda x: jax.nn.log_softmax(x, -1))),
+        ("top_k 20", jax.jit(lambda x: jax.lax.top_k(x, 20))),
+        ("top_k 1", jax.jit(lambda x: jax.lax.top_k(x, 1))),
+        ("sample greedy, 0 logprobs", jax.jit(lambda x: sample(x, params, key, num_top_logprobs=0))),
+        ("sample greedy, 20 logprobs", jax.jit(lambda x: sample(x, params, key, num_top_logprobs=20))),
+    ]
+    for name, fn in rows:
+        print(f"{name:32s} B={args.batch} V={args.vocab}: {timed(fn, logits):8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Does the compiled step update the KV pool in place? Compiles one decode bucket over a large pool and
+prints XLA's memory analysis and every copy of a pool-sized buffer in the optimised HLO.
+
+    python benchmarks/step_memory.py --backend pallas --pool-gib 40
+
+An in-place step has temp memory far below the pool size and no pool-shaped copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import CompileConfig, EngineConfig
+from jaxserve.inputs import Bucket, BucketTable
+from jaxserve.runner import Runner, RunnerSpec
+from models import registry
+
+SMOLLM2_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["pallas", "xla"], default="pallas")
+    parser.add_argument("--pool-gib", type=float, default=40.0)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    family, cfg = registry.resolve(SMOLLM2_SHAPE)
+    weights = family.init_weights(cfg, jax.random.key(0), jnp.bfloat16)
+    config = EngineConfig(
+        max_batch_size=args.batch,
+        max_num_tokens=512,
+        max_seq_len=512,
+        compile=CompileConfig(decode_batch_sizes=(args.batch,), token_buckets=(512,), penalty_variants=False),
+    )
+    spec = RunnerSpec(family, cfg, BucketTable.from_config(config), jnp.bfloat16, args.backend, 49152, 512, 20, False)
+    runner = Runner(spec, weights)
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2
+    num_blocks = int(args.pool_gib * 2**30 // per_block)
+    runner.allocate_kv_cache(num_blocks)
+    pool_shape = f"bf16[{cfg.num_layers},{num_blocks},16,{cfg.num_kv_heads},{cfg.head_dim}]"
+    flat_shape = f"bf16[{cfg.num_layers * num_blocks},16,{cfg.num_kv_heads},{cfg.head_dim}]"
+    for bucket in (Bucket(args.batch, args.batch), Bucket(512, args.batch)):
+        compiled = runner.compile_step(bucket, False)
+        analysis = compiled.memory_analysis()
+        pool_gib = num_blocks * per_block / 2**30
+        print(
+            f"backend={args.backend} T={bucket.num_tokens} B={bucket.num_seqs} pool (k+v)={pool_gib:.2f} GiB", end=" "
+        )
+        print(
+            f"temp={analysis.temp_size_in_bytes / 2**30:.3f} GiB alias={analysis.alias_size_in_bytes / 2**30:.2f} GiB"
+        )
+        for line in compiled.as_text().splitlines():
+            if (pool_shape in line or flat_shape in line) and " copy(" in line:
+                print("  POOL COPY:", line.strip()[:220])
+
+
+if __name__ == "__main__":
+    main()
