@@ -91,6 +91,12 @@ def device_memory(device: jax.Device) -> tuple[int, int] | None:
     return int(stats["bytes_limit"]), int(stats["bytes_in_use"])
 
 
+def peak_bytes_in_use(device: jax.Device) -> int:
+    """The device's peak allocation since the process started (0 where not reported)."""
+    stats = device.memory_stats() or {}
+    return int(stats.get("peak_bytes_in_use", 0))
+
+
 def activation_peak(compiled: jax.stages.Compiled) -> int:
     """Scratch memory of a compiled step beyond its arguments and outputs (XLA's temp allocation)."""
     analysis = compiled.memory_analysis()

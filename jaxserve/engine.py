@@ -147,9 +147,26 @@ class Engine:
             return capacity.kv_budget(self.config, per_token, None)
         largest = max(self.buckets.buckets, key=lambda b: (b.num_tokens, b.num_seqs))
         probe_blocks = self.buckets.max_blocks_per_seq + 1
-        probe = self.runner.compile_step(largest, self.config.compile.penalty_variants, num_blocks=probe_blocks)
-        peak = capacity.activation_peak(probe)
-        memory = [capacity.device_memory(d) for d in devices]  # after the probe compile
+        penalties = self.config.compile.penalty_variants
+        probe = self.runner.compile_step(largest, penalties, num_blocks=probe_blocks)
+        compiled_peak = capacity.activation_peak(probe)
+        before = [capacity.device_memory(d) for d in devices]
+        self.runner.probe_step(probe, largest, penalties, probe_blocks)
+        peaks = [capacity.peak_bytes_in_use(d) for d in devices]
+        # The probe step's peak above what was in use before it (its small pool included: conservative).
+        # peak_bytes_in_use never resets, so a load-time peak can hide the step's: the compiled figure
+        # stays the floor.
+        measured = max(p - in_use for p, (_, in_use) in zip(peaks, before, strict=True))
+        peak = max(compiled_peak, measured)
+        logger.info(
+            "activation peak of T=%d B=%d: %.2f GiB (compiled memory analysis), %.2f GiB (probe step); using %.2f GiB",
+            largest.num_tokens,
+            largest.num_seqs,
+            compiled_peak / 2**30,
+            measured / 2**30,
+            peak / 2**30,
+        )
+        memory = [capacity.device_memory(d) for d in devices]
         profiles = [capacity.MemoryProfile(limit, in_use, peak) for limit, in_use in memory]
         return capacity.kv_budget(self.config, per_token, profiles)
 
@@ -236,6 +253,7 @@ class Engine:
             carried_tokens(batch, previous, rows),
             self._banned_tokens(batch, rows),
             history,
+            want_logprobs=any(r.request.sampling_params.logprobs is not None for r in batch.rows),
         )
         stats = StepStats(
             num_tokens=batch.num_tokens,

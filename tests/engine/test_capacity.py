@@ -206,3 +206,30 @@ def test_memory_fraction_is_raised_when_unset_before_jax_starts():
     fraction = capacity.DEFAULT_MEM_FRACTION
     assert first == [True, fraction] and second == [False, fraction]
     assert log.count(f"set {capacity.MEM_FRACTION_ENV}={fraction}") == 1
+
+
+def test_engine_sizes_its_pool_from_device_memory_and_a_probe_step(monkeypatch, caplog, tiny_model, make_llm):
+    """The accelerator path on CPU, with faked memory statistics: the largest bucket is compiled over a
+    small probe pool and run once; its peak and the compiled memory analysis feed the budget."""
+    limit, in_use, probe_peak = 4 * GB, GB, GB + 300 * MiB
+    state = {"peak": in_use}
+    real_probe = capacity.peak_bytes_in_use
+    monkeypatch.setattr(capacity, "device_memory", lambda device: (limit, in_use))
+    monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: state["peak"])
+    from jaxserve.runner import Runner
+
+    original = Runner.probe_step
+
+    def probe_step(self, *args):
+        original(self, *args)  # really runs the step on its all-padding batch
+        state["peak"] = probe_peak
+
+    monkeypatch.setattr(Runner, "probe_step", probe_step)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        llm = make_llm(tiny_model("llama"), max_seq_len=64)
+    activation = 300 * MiB  # the probe's peak above what was in use: larger than the compiled temp here
+    assert "probe step" in caplog.text
+    expected = int((limit - in_use - activation) * 0.9) // llm.engine.kv_budget.bytes_per_block
+    assert llm.engine.kv_budget.num_blocks == expected
+    assert llm.engine.kv_budget.source == "device memory"
+    assert real_probe(jax.devices()[0]) >= 0  # the real reader answers on CPU too (0: not reported)
