@@ -228,14 +228,20 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Dispatches the next step, then reads back the previous one; returns the requests that changed."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Dispatches the next step, then reads back the previous one; returns the requests that changed.
+
+        finished_only: return only requests that finished (batch generation needs no partial outputs,
+        and building them for every running request each step is host time on the critical path).
+        """
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if not batch.is_empty else None
         previous, self._in_flight = self._in_flight, launched
         changed = self._read_back(previous) if previous is not None else set()
         changed.update(self._finished_outside_steps)
         self._finished_outside_steps.clear()
+        if finished_only:
+            changed = {i for i in changed if all(r.is_finished for r in self._groups[i].samples)}
         return [self._output(request_id) for request_id in sorted(changed, key=_numeric_first)]
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:

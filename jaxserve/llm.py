@@ -155,8 +155,8 @@ class LLM:
         wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as progress:
             while len(done) < len(request_ids):
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
+                for output in self.engine.step(finished_only=True):
+                    if output.request_id in wanted:
                         done[output.request_id] = output
                         progress.update(1)
         self._drain()
@@ -165,7 +165,7 @@ class LLM:
     def _drain(self) -> None:
         """Reads back the step still in flight, so the engine is idle between calls."""
         while self.engine.has_unfinished() and not self.engine.scheduler.has_unfinished():
-            self.engine.step()
+            self.engine.step(finished_only=True)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

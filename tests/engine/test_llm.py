@@ -359,6 +359,20 @@ def test_abort_mid_generation_frees_everything(llm, serves_after):
     assert 0 < len(outputs[0].outputs[0].token_ids) < 50
 
 
+def test_finished_only_steps_report_each_request_once_when_it_finishes(llm, serves_after):
+    engine = llm.engine
+    short = engine.add_request(random_prompt(101, 20), SamplingParams(max_tokens=2, ignore_eos=True))
+    long = engine.add_request(random_prompt(102, 20), SamplingParams(max_tokens=6, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step(finished_only=True)
+
+    assert all(o.finished for o in outputs)
+    seen = [o.request_id for o in outputs]
+    assert sorted(seen) == sorted([short, long])
+    assert seen.index(short) < seen.index(long)
+
+
 # ---- streaming and chat ----------------------------------------------------------------------
 
 
