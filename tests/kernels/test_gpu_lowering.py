@@ -1,0 +1,44 @@
+"""The kernels as lowered for an NVIDIA GPU (cross-platform lowering, no GPU needed): float32 dots must
+not fall back to TF32, which the Triton lowering picks for DEFAULT precision (a 1e-3 relative error
+the interpret-mode tests cannot see)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+import pallas_kernels as pk
+
+
+def lowered_triton_ir(dtype, capsys, monkeypatch, *, decode: bool) -> str:
+    """The Triton IR of one ragged_paged_attention call lowered for CUDA (pallas_call debug prints it)."""
+    monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+    heads, kv_heads, head_dim, blocks, block_size = 4, 2, 64, 16, 16
+    cu_q_lens = [0, 1, 2] if decode else [0, 5, 8]
+    args = (
+        jnp.zeros((cu_q_lens[-1], heads, head_dim), dtype),
+        jnp.zeros((blocks, block_size, kv_heads, head_dim), dtype),
+        jnp.zeros((blocks, block_size, kv_heads, head_dim), dtype),
+        jnp.zeros((2, 4), jnp.int32),
+        jnp.array([5, 3], jnp.int32),
+        jnp.array(cu_q_lens, jnp.int32),
+        jnp.int32(2),
+    )
+    fn = jax.jit(lambda *a: pk.ragged_paged_attention(*a, sm_scale=0.125))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    capsys.readouterr()
+    jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_dots_do_not_use_tf32(dtype, decode, capsys, monkeypatch):
+    ir = lowered_triton_ir(dtype, capsys, monkeypatch, decode=decode)
+    assert ir.count("tt.dot") >= 2, "the Triton IR was not captured"
+    assert re.findall(r"inputPrecision = (\w+)", ir) == []  # IEEE is the default and not printed
