@@ -21,46 +21,8 @@ import sys
 import time
 
 import numpy as np
+from common import LLAMA_8B, SMOLLM2_SHAPE
 
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "tie_word_embeddings": False,
-    "eos_token_id": 128001,
-}
-
-
-SMOLLM2_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-}
 RANDOM_MODELS = {
     "llama8b": ("llama-3.1-8b-shaped (random)", LLAMA_8B),
     "smollm2-random": ("smollm2-shaped (random)", SMOLLM2_SHAPE),

@@ -9,29 +9,15 @@ out of the stacked arrays costs a copy per layer.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import LLAMA_8B, timed_ms
 
 from models import llama, registry
 from models.attention import PagedAttentionMetadata, init_paged_cache
 from models.common import gated_mlp, rms_norm, rope_frequencies
-
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-}
 
 
 def unrolled_forward(weights, layers, token_ids, positions, kv_cache, meta, cfg):
@@ -46,16 +32,6 @@ def unrolled_forward(weights, layers, token_ids, positions, kv_cache, meta, cfg)
         h = x + attn
         x = h + gated_mlp(rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate, layer.w_up, layer.w_down)
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), kv_cache
-
-
-def timed(fn, *args, reps: int = 20) -> float:
-    out = fn(*args)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def main() -> None:
@@ -98,9 +74,9 @@ def main() -> None:
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
     kv_bytes = 2 * cfg.num_layers * B * ctx * cfg.num_kv_heads * cfg.head_dim * 2
     cache = init_paged_cache(cfg, num_blocks, block, jnp.bfloat16)
-    t_scan = timed(lambda c: scanned(weights, c), cache)
+    t_scan = timed_ms(lambda c: scanned(weights, c), cache)
     cache = init_paged_cache(cfg, num_blocks, block, jnp.bfloat16)
-    t_unrolled = timed(lambda c: unrolled(weights, layers, c), cache)
+    t_unrolled = timed_ms(lambda c: unrolled(weights, layers, c), cache)
     floor = (weight_bytes + kv_bytes) / 4.25e12 * 1e3
     print(f"B={B} context={ctx}: weights {weight_bytes / 1e9:.1f} GB + KV {kv_bytes / 1e9:.2f} GB", end=" ")
     print(f"-> floor {floor:.2f} ms at 4.25 TB/s")

@@ -7,21 +7,12 @@ whole `sample` with and without top logprobs.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
+from common import timed_ms
 
 from jaxserve.sampler import SamplingTensors, sample
-
-
-def timed(fn, *args, reps: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def main() -> None:
@@ -41,7 +32,7 @@ def main() -> None:
         ("sample greedy, 20 logprobs", jax.jit(lambda x: sample(x, params, key, num_top_logprobs=20))),
     ]
     for name, fn in rows:
-        print(f"{name:32s} B={args.batch} V={args.vocab}: {timed(fn, logits):8.3f} ms")
+        print(f"{name:32s} B={args.batch} V={args.vocab}: {timed_ms(fn, logits):8.3f} ms")
 
 
 if __name__ == "__main__":

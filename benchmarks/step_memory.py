@@ -12,24 +12,12 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+from common import SMOLLM2_SHAPE
 
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.inputs import Bucket, BucketTable
 from jaxserve.runner import Runner, RunnerSpec
 from models import registry
-
-SMOLLM2_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 8192,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-}
 
 
 def main() -> None:
