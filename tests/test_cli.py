@@ -1,0 +1,45 @@
+"""The `jaxserve` command line on the default model: generate and chat print only the answer on
+stdout; bad arguments and missing models are clear errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.cli import main
+
+
+@pytest.mark.slow
+def test_generate_prints_the_greedy_continuation(capsys):
+    assert main(["generate", "The capital of France is", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out
+
+
+@pytest.mark.slow
+def test_chat_answers_with_the_chat_template(capsys):
+    assert main(["chat", "What is the capital of France?", "--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "<|im_start|>" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--dtype", "int8"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_flag(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hello", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_model_path_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "no_such_model"
+    assert main(["generate", "hello", "--model", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "jaxserve: error:" in err and str(missing) in err
