@@ -34,7 +34,7 @@ def main() -> None:
         max_seq_len=512,
         compile=CompileConfig(decode_batch_sizes=(args.batch,), token_buckets=(512,), penalty_variants=False),
     )
-    spec = RunnerSpec(family, cfg, BucketTable.from_config(config), jnp.bfloat16, args.backend, 49152, 512, 20, False)
+    spec = RunnerSpec(family, cfg, BucketTable.from_config(config), jnp.bfloat16, args.backend, 512, 20, False)
     runner = Runner(spec, weights)
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2
     num_blocks = int(args.pool_gib * 2**30 // per_block)

@@ -10,10 +10,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 
 def _add_generation_args(parser: argparse.ArgumentParser) -> None:
+    from jaxserve.config import DTYPES
     from models.hub import DEFAULT_MODEL
 
     parser.add_argument(

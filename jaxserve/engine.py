@@ -48,6 +48,7 @@ from jaxserve.sampling import (
 )
 from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from sharding.mesh import MODEL_AXIS
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,6 @@ class Engine:
             buckets=self.buckets,
             dtype=dtype,
             backend=backend,
-            vocab_size=cfg.vocab_size,
             max_seq_len=config.max_seq_len,
             num_top_logprobs=MAX_LOGPROBS,
             penalty_variants=config.compile.penalty_variants,
@@ -139,7 +139,7 @@ class Engine:
     # ---- capacity -------------------------------------------------------------------------------
 
     def _size_kv_cache(self, cfg: Any, dtype: Any) -> capacity.KvBudget:
-        tp = self.runner.mesh.shape["model"]
+        tp = self.runner.mesh.shape[MODEL_AXIS]
         per_token = capacity.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, tp)
         devices = list(self.runner.mesh.devices.flat)
         memory = [capacity.device_memory(d) for d in devices]
@@ -207,8 +207,7 @@ class Engine:
     def _check_supported(self, params: SamplingParams) -> None:
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported by this engine yet; leave it None")
-        wants_penalty = params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
-        if wants_penalty and not self.config.compile.penalty_variants:
+        if _has_penalty(params) and not self.config.compile.penalty_variants:
             raise ValueError(
                 "repetition/presence/frequency penalties need CompileConfig(penalty_variants=True) at engine start"
             )
@@ -250,7 +249,7 @@ class Engine:
         rows = inputs.bucket.num_seqs
         previous = self._in_flight.batch if self._in_flight is not None else None
         history = None
-        if self.config.compile.penalty_variants and any(_has_penalty(r.request.sampling_params) for r in batch.rows):
+        if any(_has_penalty(r.request.sampling_params) for r in batch.rows):  # add_request ensured the variant
             history = make_token_history(batch, rows, self.config.max_seq_len, self.vocab_size)
         dispatch_start = time.perf_counter()
         output = self.runner.run(

@@ -159,7 +159,6 @@ class RunnerSpec:
     buckets: BucketTable
     dtype: jnp.dtype
     backend: str  # "pallas" | "xla"
-    vocab_size: int
     max_seq_len: int
     num_top_logprobs: int
     penalty_variants: bool  # also compile each bucket with a token history for the penalties
