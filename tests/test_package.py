@@ -1,0 +1,35 @@
+"""The package's public names: `from jaxserve import LLM, SamplingParams` as vLLM users write it, without
+making the host-only modules (scheduler, block manager, inputs) load jax."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import jaxserve
+
+
+def test_public_names_resolve_to_their_modules():
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.llm import LLM as llm_class
+    from jaxserve.sampling import SamplingParams as params_class
+
+    assert LLM is llm_class and SamplingParams is params_class
+    assert sorted(jaxserve.__all__) == sorted(jaxserve._EXPORTS)
+    for name in jaxserve.__all__:
+        assert getattr(jaxserve, name) is not None
+
+
+def test_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Engine2'"):
+        _ = jaxserve.Engine2
+
+
+def test_host_modules_do_not_load_jax():
+    code = (
+        "import sys, jaxserve, jaxserve.block_manager, jaxserve.scheduler, jaxserve.inputs; "
+        "assert 'jax' not in sys.modules, 'jax was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
