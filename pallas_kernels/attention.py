@@ -4,9 +4,10 @@ It validates the inputs at trace time, picks tile shapes from the tuning tables 
 two launches that write disjoint rows of one output: the mixed kernel (`ragged_attention.py`) computes
 every sequence with two or more query tokens and zero-fills the padding tokens, then the split-KV decode
 kernel (`decode_attention.py`) writes the rows of every one-token sequence in place. Which sequence is
-which is decided on the device, so there is no host sync or data-dependent branch; a decode-only batch
-costs the mixed launch only its early exits. (One fused launch was measured slower for decode: the
-decode programs then share the mixed tiles' registers and shared memory; docs/kernel_notes.md.)
+which is decided on the device, so there is no host sync or data-dependent branch. A caller that knows
+the batch is decode-only (`max_q_len=1`, as an engine's decode buckets do) skips the mixed launch: the
+decode launch then writes every row. (One fused launch was measured slower for decode: the decode
+programs then share the mixed tiles' registers and shared memory; docs/kernel_notes.md.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .checks import AttentionShapes, check_attention_inputs, check_options
+from .checks import AttentionShapes, check_attention_inputs, check_max_q_len, check_options
 from .decode_attention import DecodeParams, decode_attention
 from .ragged_attention import MixedParams, mixed_attention
 from .tuning import DecodeTiling, MixedTiling, check_tuning_keys, decode_tiling, mixed_tiling, next_power_of_2
@@ -39,7 +40,7 @@ def filter_triton_deprecation() -> None:
 class AttentionPlan:
     """Everything static about one call: program parameters and launch settings (a jit static arg)."""
 
-    mixed: MixedParams
+    mixed: MixedParams | None  # None: decode-only batch, no mixed launch
     mixed_tiling: MixedTiling
     decode: DecodeParams | None
     decode_tiling: DecodeTiling | None
@@ -51,6 +52,7 @@ def make_plan(
     sliding_window: int | None,
     soft_cap: float | None,
     tuning: dict[str, int | bool],
+    max_q_len: int | None = None,
 ) -> AttentionPlan:
     head_dim_padded = max(16, next_power_of_2(shapes.head_dim))
     mt = mixed_tiling(head_dim_padded, shapes.num_tokens, tuning)
@@ -78,17 +80,27 @@ def make_plan(
         return AttentionPlan(mixed, mt, None, None)
     context = shapes.max_blocks * shapes.block_size
     dt = decode_tiling(head_dim_padded, shapes.max_seqs, shapes.num_kv_heads, context, tuning)
+    decode_only = max_q_len == 1
     decode = DecodeParams(
-        group=shapes.group, block_n=dt.block_n, num_heads=shapes.num_heads, num_splits=dt.num_splits, **common
+        group=shapes.group,
+        block_n=dt.block_n,
+        num_heads=shapes.num_heads,
+        num_splits=dt.num_splits,
+        num_tokens=shapes.num_tokens,
+        decode_only=decode_only,
+        **common,
     )
-    return AttentionPlan(mixed, mt, decode, dt)
+    return AttentionPlan(None if decode_only else mixed, mt, decode, dt)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "interpret"))
 def _attention(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs, *, plan: AttentionPlan, interpret):
     args = (q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
     mt, dt = plan.mixed_tiling, plan.decode_tiling
-    out = mixed_attention(*args, p=plan.mixed, num_warps=mt.num_warps, num_stages=mt.num_stages, interpret=interpret)
+    out = None
+    if plan.mixed is not None:
+        kw = dict(num_warps=mt.num_warps, num_stages=mt.num_stages, interpret=interpret)
+        out = mixed_attention(*args, p=plan.mixed, **kw)
     if plan.decode is None:
         return out
     return decode_attention(
@@ -108,6 +120,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    max_q_len: int | None = None,
     interpret: bool = False,
     **tuning: int | bool,
 ) -> Float[Array, "T H Dh"]:
@@ -118,6 +131,10 @@ def ragged_paged_attention(
     soft_cap * tanh(logit / soft_cap) when soft_cap is set. Rows >= num_seqs, tokens from
     cu_q_lens[num_seqs] on and sequences with kv_lens 0 are padding: their outputs are zeros.
 
+    max_q_len: a static bound on any live sequence's query tokens, if the caller knows one. 1 declares a
+    decode-only batch (needs T <= B): one launch fewer. The bound is trusted, not checked on the device:
+    the rows of a longer sequence are then left unwritten.
+
     tuning: block_m, block_n, num_warps, num_stages (mixed kernel); num_splits, decode_block_n,
     decode_num_warps, decode_num_stages (decode kernel); decode_kernel=False sends one-token sequences
     through the mixed kernel too. Unset fields come from the tuning tables.
@@ -125,7 +142,8 @@ def ragged_paged_attention(
     check_tuning_keys(tuning)
     check_options(sm_scale, sliding_window, soft_cap)
     shapes = check_attention_inputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
-    plan = make_plan(shapes, sm_scale, sliding_window, soft_cap, tuning)
+    check_max_q_len(max_q_len, shapes)
+    plan = make_plan(shapes, sm_scale, sliding_window, soft_cap, tuning, max_q_len)
     filter_triton_deprecation()
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
     return _attention(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs, plan=plan, interpret=interpret)

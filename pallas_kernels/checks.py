@@ -54,6 +54,18 @@ def check_options(sm_scale: float, sliding_window: int | None, soft_cap: float |
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
 
 
+def check_max_q_len(max_q_len: int | None, shapes: AttentionShapes) -> None:
+    if max_q_len is None:
+        return
+    if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or max_q_len < 1:
+        raise ValueError(f"max_q_len must be a positive int or None, got {max_q_len!r}")
+    if max_q_len == 1 and shapes.num_tokens > shapes.max_seqs:
+        raise ValueError(
+            f"max_q_len=1 (a decode-only batch) needs at most one token per sequence row: q has "
+            f"{shapes.num_tokens} tokens but block_table has {shapes.max_seqs} rows"
+        )
+
+
 def check_attention_inputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs) -> AttentionShapes:
     """Validate the flat-batch attention inputs (DESIGN.md, Flat token batch) and return their sizes."""
     if q.ndim != 3:

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .ragged_attention import AttentionRefs
+from .ragged_attention import AttentionRefs, exp2_scale, scores
 
 LOG2E = math.log2(math.e)
 
@@ -44,6 +44,8 @@ class DecodeParams:
     sm_scale: float
     sliding_window: int | None
     soft_cap: float | None
+    num_tokens: int  # T
+    decode_only: bool  # no mixed launch before this one: also zero the padding tokens' rows
 
     @property
     def group_padded(self) -> int:
@@ -85,15 +87,12 @@ def _decode_step(t, carry, *, q, seq, h, lo_key, kv_len, bt_ref, k_ref, v_ref, p
     k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=0.0)
     v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=0.0)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32)
-    if p.soft_cap is None:
-        s = s * (p.sm_scale * LOG2E)
-    else:
-        s = jnp.tanh(s * (p.sm_scale / p.soft_cap)) * (p.soft_cap * LOG2E)
+    s, c = scores(s, p.sm_scale, p.soft_cap), exp2_scale(p.sm_scale, p.soft_cap)
     s = jnp.where(visible[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m_i - m_safe)
-    prob = jnp.exp2(s - m_safe[:, None])
+    alpha = jnp.exp2((m_i - m_safe) * c)
+    prob = jnp.exp2(s * c - (m_safe * c)[:, None])
     l_i = l_i * alpha + jnp.sum(prob, axis=1)
     pv = lax.dot_general(
         prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
@@ -130,48 +129,81 @@ def decode_split(r: AttentionRefs, parts: tuple | None, b, h, split, p: DecodePa
         plgpu.store(r.out.at[q_start, head[:, None], d[None, :]], out.astype(r.out.dtype), mask=mask)
     else:
         o_part_ref, lse_ref = parts
-        lse = jnp.where(l_i > 0, m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), -jnp.inf)
+        # Log2-sum-exp of the scaled logits: the running max is in `scores` units.
+        c = exp2_scale(p.sm_scale, p.soft_cap)
+        lse = jnp.where(l_i > 0, m_i * c + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), -jnp.inf)
         plgpu.store(o_part_ref.at[b, split, head[:, None], d[None, :]], out, mask=_and(row_ok[:, None], dmask))
         plgpu.store(lse_ref.at[b, split, head], lse, mask=row_ok)
 
 
-def _combine_kernel(o_part_ref, lse_ref, cu_ref, kv_lens_ref, ns_ref, _out_in_ref, o_ref, *, p: DecodeParams):
-    """Merge the splits of one (sequence, kv head) by their log2-sum-exp weights."""
-    b, h = pl.program_id(0), pl.program_id(1)
+# Splits merged per iteration of the combine loop, read with one 2-D load ([splits, head_dim]).
+COMBINE_CHUNK = 64
+
+
+def _combine_kernel(o_part_ref, lse_ref, cu_ref, kv_lens_ref, ns_ref, *outs, p: DecodeParams):
+    """Merge the splits of one (sequence, query head) by their log2-sum-exp weights.
+
+    One load reads every split's lse, one 2-D load per COMBINE_CHUNK splits their partial outputs, so the
+    splits are read in parallel: the time does not grow with the split count the way a loop over
+    splits does (one memory round trip each: 31 us for 64 splits, docs/kernel_notes.md).
+    """
+    o_ref = outs[-1]
+    b, head = pl.program_id(0), pl.program_id(1)
     q_start, _, live = _sequence(b, cu_ref, kv_lens_ref, ns_ref)
+    d = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
+    dmask = (d < p.head_dim) if p.head_dim_padded != p.head_dim else None  # [Dh]: the stores are 1-D
+    if p.decode_only:
+        # Decode-only launches own the output: token row b is padding from cu_q_lens[num_seqs] on
+        # (see _zero_padding_row).
+        pad = (b >= cu_ref[ns_ref[0]]) & (b < p.num_tokens)
+        row = jnp.minimum(b, p.num_tokens)
+        zeros = jnp.zeros((p.head_dim_padded,), o_ref.dtype)
+        pad_mask = jnp.full((p.head_dim_padded,), pad)
+        plgpu.store(o_ref.at[row, head, d], zeros, mask=_and(pad_mask, dmask))
 
     @pl.when(live)
     def _():
-        d, dmask = _dims(p)
-        head, row_ok = _heads(h, p)
+        lse_all = plgpu.load(lse_ref.at[b, jnp.arange(p.num_splits, dtype=jnp.int32), head])
+        m = jnp.max(lse_all)
+        m = jnp.where(m == -jnp.inf, 0.0, m)
+        den = jnp.sum(jnp.exp2(lse_all - m))
+        chunk = min(COMBINE_CHUNK, p.num_splits)
 
-        def merge(split, carry):
-            acc, m_i, den = carry
-            lse = plgpu.load(lse_ref.at[b, split, head], mask=row_ok, other=-jnp.inf)
-            part = plgpu.load(o_part_ref.at[b, split, head[:, None], d[None, :]], mask=row_ok[:, None], other=0.0)
-            m_new = jnp.maximum(m_i, lse)
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_safe)
-            w = jnp.exp2(lse - m_safe)
-            return acc * alpha[:, None] + w[:, None] * part, m_new, den * alpha + w
+        def merge(i, acc):
+            split = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            w = jnp.exp2(plgpu.load(lse_ref.at[b, split, head]) - m)
+            part_mask = None if dmask is None else dmask[None, :]
+            other = None if part_mask is None else 0.0
+            part = plgpu.load(o_part_ref.at[b, split[:, None], head, d[None, :]], mask=part_mask, other=other)
+            return acc + jnp.sum(w[:, None] * part, axis=0)
 
-        carry = (
-            jnp.zeros((p.group_padded, p.head_dim_padded), jnp.float32),
-            jnp.full((p.group_padded,), -jnp.inf, jnp.float32),
-            jnp.zeros((p.group_padded,), jnp.float32),
-        )
-        acc, _, den = lax.fori_loop(0, p.num_splits, merge, carry)
-        out = acc / jnp.where(den > 0, den, 1.0)[:, None]
-        mask = _and(row_ok[:, None], dmask)
-        plgpu.store(o_ref.at[q_start, head[:, None], d[None, :]], out.astype(o_ref.dtype), mask=mask)
+        acc = lax.fori_loop(0, p.num_splits // chunk, merge, jnp.zeros((p.head_dim_padded,), jnp.float32))
+        out = acc / jnp.where(den > 0, den, 1.0)
+        plgpu.store(o_ref.at[q_start, head, d], out.astype(o_ref.dtype), mask=dmask)
+
+
+def _zero_padding_row(o_ref, b, head, row_ok, cu_ref, ns_ref, p: DecodeParams) -> None:
+    """Decode-only launches own the whole output: program b zeroes token row b when it is padding.
+
+    With every live sequence one token long, tokens are numbered like sequences (cu_q_lens[b] = b), so the
+    padding tokens cu_q_lens[num_seqs] .. T-1 are rows b of the programs b >= cu_q_lens[num_seqs].
+    """
+    d, dmask = _dims(p)
+    pad = (b >= cu_ref[ns_ref[0]]) & (b < p.num_tokens)
+    row = jnp.minimum(b, p.num_tokens)  # one past the end when masked off
+    zeros = jnp.zeros((p.group_padded, p.head_dim_padded), o_ref.dtype)
+    plgpu.store(o_ref.at[row, head[:, None], d[None, :]], zeros, mask=_and((row_ok & pad)[:, None], dmask))
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, *outs, p: DecodeParams):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if p.num_splits == 1:
-        _, o_ref = outs  # the aliased `out`: its input ref, then its output ref
+        o_ref = outs[-1]  # the output ref (after the aliased input ref when the mixed kernel ran first)
         r = AttentionRefs(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, o_ref)
         decode_split(r, None, b, h, split, p)
+        if p.decode_only:
+            head, row_ok = _heads(h, p)
+            _zero_padding_row(o_ref, b, head, row_ok, cu_ref, ns_ref, p)
     else:
         r = AttentionRefs(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, None)
         decode_split(r, outs, b, h, split, p)
@@ -192,22 +224,25 @@ def decode_attention(
     num_stages: int,
     interpret: bool,
 ) -> jax.Array:
-    """Write the output rows of every one-token sequence into `out` (aliased, in place)."""
+    """Write the output rows of every one-token sequence into `out` (aliased, in place); with
+    `p.decode_only`, `out` is None and the launch creates the output, padding rows zeroed."""
     max_seqs, num_kv_heads = block_table.shape[0], k_cache.shape[2]
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     grid = (max_seqs, num_kv_heads, p.num_splits)
     args = (q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
+    out_args, aliases = ((), {}) if out is None else ((out,), {len(args): 0})
     kernel = functools.partial(_decode_kernel, p=p)
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if p.num_splits == 1:
         return pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+            out_shape=out_shape,
             grid=grid,
-            input_output_aliases={7: 0},
+            input_output_aliases=aliases,
             compiler_params=params,
             interpret=interpret,
             name="ragged_paged_attention_decode",
-        )(*args, out)
+        )(*args, *out_args)
     part_shapes = (
         jax.ShapeDtypeStruct((max_seqs, p.num_splits, p.num_heads, p.head_dim_padded), jnp.float32),
         jax.ShapeDtypeStruct((max_seqs, p.num_splits, p.num_heads), jnp.float32),
@@ -222,10 +257,10 @@ def decode_attention(
     )(*args)
     return pl.pallas_call(
         functools.partial(_combine_kernel, p=p),
-        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        grid=(max_seqs, num_kv_heads),
-        input_output_aliases={5: 0},
+        out_shape=out_shape,
+        grid=(max_seqs, p.num_heads),
+        input_output_aliases={} if out is None else {5: 0},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_combine",
-    )(o_part, lse, cu_q_lens, kv_lens, num_seqs, out)
+    )(o_part, lse, cu_q_lens, kv_lens, num_seqs, *out_args)

@@ -103,10 +103,7 @@ def _tile_step(t, carry, *, q, seq, h, kv_len, qpos, bt_ref, k_ref, v_ref, p: Mi
     k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=other)
     v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=other)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32)
-    if p.soft_cap is None:
-        s = s * (p.sm_scale * LOG2E)
-    else:
-        s = jnp.tanh(s * (p.sm_scale / p.soft_cap)) * (p.soft_cap * LOG2E)
+    s, c = scores(s, p.sm_scale, p.soft_cap), exp2_scale(p.sm_scale, p.soft_cap)
     if masked:
         allowed = (j[None, :] <= qpos[:, None]) & in_range[None, :]
         if p.sliding_window is not None:
@@ -115,13 +112,25 @@ def _tile_step(t, carry, *, q, seq, h, kv_len, qpos, bt_ref, k_ref, v_ref, p: Mi
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     # A row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-    alpha = jnp.exp2(m_i - m_safe)
-    prob = jnp.exp2(s - m_safe[:, None])
+    alpha = jnp.exp2((m_i - m_safe) * c)
+    prob = jnp.exp2(s * c - (m_safe * c)[:, None])  # one fused multiply-add per score
     l_i = l_i * alpha + jnp.sum(prob, axis=1)
     pv = lax.dot_general(
         prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
     )
     return acc * alpha[:, None] + pv, m_new, l_i
+
+
+def exp2_scale(sm_scale: float, soft_cap: float | None) -> float:
+    """c with softmax = exp2(c * (s - max s)) for the scores `scores` keeps (see there)."""
+    return sm_scale * LOG2E if soft_cap is None else LOG2E
+
+
+def scores(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
+    """The units the running max is kept in: raw dot products without soft-capping (sm_scale > 0 does not
+    move the max, and the scale is applied inside exp2's argument as s * c - max * c, one fused
+    multiply-add per score), soft-capped logits with it."""
+    return s if soft_cap is None else jnp.tanh(s * (sm_scale / soft_cap)) * soft_cap
 
 
 def _key_tile_ranges(ctx, q_lo, q_hi, kv_len, p: MixedParams):

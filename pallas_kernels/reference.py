@@ -102,11 +102,13 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    max_q_len: int | None = None,
     interpret: bool = False,
     **tuning: int | bool,
 ) -> Float[Array, "T H Dh"]:
-    """jnp ragged paged attention with `ragged_paged_attention`'s signature; `interpret`/`tuning` are ignored."""
-    del interpret
+    """jnp ragged paged attention with `ragged_paged_attention`'s signature; `max_q_len`, `interpret` and
+    `tuning` are ignored (the reference has no launch to skip)."""
+    del interpret, max_q_len
     check_tuning_keys(tuning)
     check_options(sm_scale, sliding_window, soft_cap)
     check_attention_inputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)

@@ -56,6 +56,8 @@ def test_valid_inputs_pass_the_checks():
         (dict(sm_scale=0.1, block_m=48), r"block_m must be a power of two in \[16, 256\]"),
         (dict(sm_scale=0.1, num_splits=3), "num_splits"),
         (dict(sm_scale=0.1, num_stages=0), "num_stages"),
+        (dict(sm_scale=0.1, max_q_len=0), "max_q_len must be a positive int"),
+        (dict(sm_scale=0.1, max_q_len=1), r"decode-only.*8 tokens but block_table has 2 rows"),
     ],
 )
 def test_option_and_tiling_errors(kwargs, match):

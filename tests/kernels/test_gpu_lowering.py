@@ -15,10 +15,10 @@ from jax.experimental import pallas as pl
 import pallas_kernels as pk
 
 
-def lowered_triton_ir(dtype, capsys, monkeypatch, *, decode: bool) -> str:
+def lowered_triton_ir(dtype, capsys, monkeypatch, *, decode: bool, head_dim: int = 64, **options) -> str:
     """The Triton IR of one ragged_paged_attention call lowered for CUDA (pallas_call debug prints it)."""
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
-    heads, kv_heads, head_dim, blocks, block_size = 4, 2, 64, 16, 16
+    heads, kv_heads, blocks, block_size = 4, 2, 16, 16
     cu_q_lens = [0, 1, 2] if decode else [0, 5, 8]
     args = (
         jnp.zeros((cu_q_lens[-1], heads, head_dim), dtype),
@@ -29,7 +29,7 @@ def lowered_triton_ir(dtype, capsys, monkeypatch, *, decode: bool) -> str:
         jnp.array(cu_q_lens, jnp.int32),
         jnp.int32(2),
     )
-    fn = jax.jit(lambda *a: pk.ragged_paged_attention(*a, sm_scale=0.125))
+    fn = jax.jit(lambda *a: pk.ragged_paged_attention(*a, sm_scale=0.125, **options))
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     capsys.readouterr()
     jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
@@ -42,3 +42,23 @@ def test_dots_do_not_use_tf32(dtype, decode, capsys, monkeypatch):
     ir = lowered_triton_ir(dtype, capsys, monkeypatch, decode=decode)
     assert ir.count("tt.dot") >= 2, "the Triton IR was not captured"
     assert re.findall(r"inputPrecision = (\w+)", ir) == []  # IEEE is the default and not printed
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_splits=8),
+        dict(num_splits=16, max_q_len=1),
+        dict(num_splits=1, max_q_len=1),
+        dict(num_splits=4, soft_cap=5.0, sliding_window=8),
+        dict(num_splits=8, max_q_len=1, head_dim=80),  # head_dim padded to 128: masked loads and stores
+        dict(num_splits=1, max_q_len=1, head_dim=80),
+    ],
+)
+def test_decode_launches_lower_for_cuda(options, capsys, monkeypatch):
+    """Split decode with its combine launch, and decode-only launches that own the output, lower to Triton."""
+    ir = lowered_triton_ir(jnp.bfloat16, capsys, monkeypatch, decode=True, **options)
+    want = {"decode"} if options["num_splits"] == 1 else {"decode_split", "combine"}
+    if options.get("max_q_len") != 1:
+        want.add("mixed")
+    assert set(re.findall(r"tt.func public @ragged_paged_attention_(\w+)", ir)) == want
