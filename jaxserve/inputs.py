@@ -82,10 +82,12 @@ def default_token_buckets(max_num_tokens: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """One compiled step shape: T flat tokens, B sequence rows."""
+    """One compiled step shape: T flat tokens, B sequence rows; decode_only buckets (T == B, one token per
+    sequence) tell the attention so, which saves it a launch."""
 
     num_tokens: int
     num_seqs: int
+    decode_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +137,7 @@ class BucketTable:
     @property
     def buckets(self) -> tuple[Bucket, ...]:
         """All shapes to compile at warmup (decode buckets first), without duplicates."""
-        shapes = [Bucket(size, size) for size in self.decode_batch_sizes]
+        shapes = [Bucket(size, size, decode_only=True) for size in self.decode_batch_sizes]
         shapes += [Bucket(t, self.max_batch_size) for t in self.token_buckets]
         return tuple(dict.fromkeys(shapes))
 
@@ -156,7 +158,7 @@ class BucketTable:
             if i < len(self.decode_batch_sizes):
                 size = self.decode_batch_sizes[i]
                 if self.enable_padding or size == num_seqs:
-                    return Bucket(size, size)
+                    return Bucket(size, size, decode_only=True)
         return Bucket(self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)], self.max_batch_size)
 
 
@@ -172,14 +174,11 @@ class StepInputs:
     block_table: Int32[np.ndarray, "B M"]
     logits_indices: Int32[np.ndarray, " B"]
     num_seqs: Int32[np.ndarray, ""]
-
-    @property
-    def bucket(self) -> Bucket:
-        return Bucket(num_tokens=self.token_ids.shape[0], num_seqs=self.kv_lens.shape[0])
+    bucket: Bucket  # the compiled shape these arrays are padded to
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Field name -> array, in declaration order (for moving them to the device)."""
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self.__slots__ if name != "bucket"}
 
 
 def make_step_inputs(batch: ScheduledBatch, buckets: BucketTable) -> StepInputs:
@@ -220,6 +219,7 @@ def make_step_inputs(batch: ScheduledBatch, buckets: BucketTable) -> StepInputs:
         block_table=block_table,
         logits_indices=logits_indices,
         num_seqs=np.array(n, dtype=np.int32),
+        bucket=bucket,
     )
 
 

@@ -92,6 +92,7 @@ def step_fn(
     cfg: Any,
     backend: str,
     num_top_logprobs: int,
+    max_q_len: int | None = None,
 ) -> tuple[StepOutput, PagedKVCache]:
     """One engine step on the device (see the module docstring)."""
     token_ids = _gather_carried(inputs, previous_tokens)
@@ -102,6 +103,7 @@ def step_fn(
         cu_q_lens=inputs.cu_q_lens,
         num_seqs=inputs.num_seqs,
         backend=backend,
+        max_q_len=max_q_len,
     )
     hidden, kv_cache = family.forward(weights, token_ids, inputs.positions, kv_cache, meta, cfg)
     logits = family.compute_logits(weights, hidden[inputs.logits_indices], cfg)
@@ -245,7 +247,12 @@ class Runner:
         """Lowers and compiles the step for one bucket (not cached here: warmup stores the results)."""
         spec = self.spec
         fn = partial(
-            step_fn, family=spec.family, cfg=spec.cfg, backend=spec.backend, num_top_logprobs=spec.num_top_logprobs
+            step_fn,
+            family=spec.family,
+            cfg=spec.cfg,
+            backend=spec.backend,
+            num_top_logprobs=spec.num_top_logprobs,
+            max_q_len=1 if bucket.decode_only else None,
         )
         jitted = jax.jit(fn, donate_argnums=(1,))  # argument 1 is the KV cache: updated in place
         args = self._abstract_args(bucket, penalties, self.num_blocks if num_blocks is None else num_blocks)
@@ -277,9 +284,10 @@ class Runner:
             t0 = time.perf_counter()
             self._compiled[(bucket, penalties)] = self.compile_step(bucket, penalties)
             logger.info(
-                "compiled T=%d B=%d penalties=%s in %.2fs",
+                "compiled T=%d B=%d%s penalties=%s in %.2fs",
                 bucket.num_tokens,
                 bucket.num_seqs,
+                " (decode)" if bucket.decode_only else "",
                 penalties,
                 time.perf_counter() - t0,
             )
@@ -302,10 +310,11 @@ class Runner:
         bucket = inputs.bucket
         compiled = self._compiled.get((bucket, history is not None))
         if compiled is None:
-            shapes = [(b.num_tokens, b.num_seqs) for b in self.spec.buckets.buckets]
+            shapes = [(b.num_tokens, b.num_seqs, b.decode_only) for b in self.spec.buckets.buckets]
             raise RuntimeError(
-                f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} penalties={history is not None}: "
-                f"shapes are compiled only at warmup (compiled (T, B): {shapes})"
+                f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} decode_only={bucket.decode_only} "
+                f"penalties={history is not None}: shapes are compiled only at warmup "
+                f"(compiled (T, B, decode_only): {shapes})"
             )
         device_inputs = DeviceInputs(
             **inputs.arrays(),

@@ -65,7 +65,7 @@ class PagedKVCache:
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["slot_mapping", "block_table", "kv_lens", "cu_q_lens", "num_seqs"],
-    meta_fields=["backend"],
+    meta_fields=["backend", "max_q_len"],
 )
 @dataclass(frozen=True, slots=True)
 class PagedAttentionMetadata:
@@ -73,6 +73,7 @@ class PagedAttentionMetadata:
 
     backend: "pallas" (the Triton kernels) or "xla" (their jnp references); static, so each
     compiled step is specialised to one.
+    max_q_len: static bound on any sequence's query tokens when known (1: a decode-only step).
     """
 
     slot_mapping: Int[Array, " T"]
@@ -81,6 +82,7 @@ class PagedAttentionMetadata:
     cu_q_lens: Int[Array, " B+1"]
     num_seqs: Int[Array, ""]
     backend: str = "xla"
+    max_q_len: int | None = None
 
 
 def init_paged_cache(cfg: _CacheShape, num_blocks: int, block_size: int, dtype: jnp.dtype) -> PagedKVCache:
@@ -170,6 +172,7 @@ def paged_attention(
         meta.num_seqs,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        max_q_len=meta.max_q_len,
     )
     cache = PagedKVCache(k=k_pool.reshape(kv_cache.k.shape), v=v_pool.reshape(kv_cache.v.shape))
     return out.astype(q.dtype), cache

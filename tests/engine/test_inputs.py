@@ -65,21 +65,23 @@ def test_table_from_config_and_its_bucket_list():
     assert buckets.decode_batch_sizes == (1, 2, 4, 8, 16)
     assert buckets.token_buckets == (16,)
     assert (buckets.block_size, buckets.max_blocks_per_seq) == (4, 8)
-    # (16, 16) is both the largest decode bucket and the only token bucket: compiled once.
-    assert buckets.buckets == tuple(Bucket(s, s) for s in (1, 2, 4, 8, 16))
+    # (16, 16) is both the largest decode bucket and the only token bucket: compiled as both, since the
+    # decode variant skips the attention's mixed launch and cannot serve a prefill.
+    decode = tuple(Bucket(s, s, decode_only=True) for s in (1, 2, 4, 8, 16))
+    assert buckets.buckets == (*decode, Bucket(16, 16))
     assert table(decode_batch_sizes=[2, 64]).decode_batch_sizes == (2, 4)
 
 
 def test_lookup_pads_to_the_smallest_bucket():
     buckets = table()  # decode (1, 2, 4), tokens (16,), B = 4
-    assert buckets.lookup(3, 3, decode_only=True) == Bucket(4, 4)
-    assert buckets.lookup(1, 1, decode_only=True) == Bucket(1, 1)
+    assert buckets.lookup(3, 3, decode_only=True) == Bucket(4, 4, decode_only=True)
+    assert buckets.lookup(1, 1, decode_only=True) == Bucket(1, 1, decode_only=True)
     assert buckets.lookup(3, 3, decode_only=False) == Bucket(16, 4)
     assert buckets.lookup(10, 3, decode_only=False) == Bucket(16, 4)
     assert buckets.lookup(16, 4, decode_only=False) == Bucket(16, 4)
     without_padding = table(enable_padding=False, decode_batch_sizes=[1, 2, 4])
     assert without_padding.lookup(3, 3, decode_only=True) == Bucket(16, 4)  # no exact decode bucket
-    assert without_padding.lookup(2, 2, decode_only=True) == Bucket(2, 2)
+    assert without_padding.lookup(2, 2, decode_only=True) == Bucket(2, 2, decode_only=True)
 
 
 @pytest.mark.parametrize(("num_tokens", "num_seqs"), [(17, 2), (5, 5), (0, 0)])
@@ -151,7 +153,7 @@ def test_padding_rows_of_a_decode_step_own_no_tokens_and_point_at_block_0():
     requests = [request_with([1, 2, 3, 4, 5], f"r{i}") for i in range(3)]
     rows = [row(r, 4, 1, [i + 1, i + 4], prefill=False) for i, r in enumerate(requests)]
     inputs = make_step_inputs(ScheduledBatch(rows=rows), table())
-    assert inputs.bucket == Bucket(4, 4)
+    assert inputs.bucket == Bucket(4, 4, decode_only=True)
     np.testing.assert_array_equal(inputs.token_ids, [5, 5, 5, 0])
     np.testing.assert_array_equal(inputs.positions, [4, 4, 4, 0])
     np.testing.assert_array_equal(inputs.slot_mapping, [16, 20, 24, 0])
