@@ -130,8 +130,9 @@ def bench_decode(shapes: list[tuple[int, int]], results: dict, baselines: bool =
     for b, ctx in shapes:
         batch = make_batch(f"decode {b}x{ctx}", [(1, ctx - 1)] * b, seed=b * 7 + ctx)
         ref = reference(*batch.args[0])
-        err = rel_err(ours()(*batch.args[0]), ref)
-        t_ours = time_calls(ours(), batch.args, reps_for(batch))
+        # As an engine's decode step calls it: max_q_len=1 (a decode-only batch, no mixed launch).
+        err = rel_err(ours(max_q_len=1)(*batch.args[0]), ref)
+        t_ours = time_calls(ours(max_q_len=1), batch.args, reps_for(batch))
         err_builtin = t_builtin = t_ref = float("nan")
         try:
             if not baselines:

@@ -1,0 +1,189 @@
+"""Where an attention call's time goes: per-kernel device time under Nsight Compute, next to wall time.
+
+    python benchmarks/attention_kernels.py --mode time                      # wall time per call (jit of 10)
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
+        python benchmarks/attention_kernels.py --mode ncu > kernels.csv     # every kernel's duration
+    python benchmarks/attention_kernels.py --summarize kernels.csv          # per case: kernels and their sum
+
+In `ncu` mode each case runs one warm-up call and `--reps` timed calls, one at a time, between two marker
+kernels (`mark_start_<i>`, `mark_end_<i>`), so the summary can cut the kernel list into cases. The cases are
+an empty Pallas kernel (the floor of a launch), the decode grid of benchmarks/attention.py as an engine's
+decode step calls it (max_q_len=1) next to JAX's built-in op, the target decode shapes without the hint,
+the prefill cases and the mixed batch with its parts. Shapes as in benchmarks/attention.py; `--only`
+picks cases by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from collections import defaultdict
+
+CASES: list[tuple[str, str, list[tuple[int, int]], dict]] = []  # (name, kind, seqs, options)
+
+
+def _add(name: str, kind: str, seqs: list[tuple[int, int]], **options) -> None:
+    CASES.append((name, kind, seqs, options))
+
+
+_add("empty pallas_call", "empty", [])
+# Decode as an engine's decode step calls it (max_q_len=1: no mixed launch) and JAX's built-in op.
+for b in (1, 16, 64, 256):
+    for ctx in (1024, 4096, 16384):
+        _add(f"decode {b}x{ctx}", "ours", [(1, ctx - 1)] * b, max_q_len=1)
+        _add(f"builtin decode {b}x{ctx}", "builtin", [(1, ctx - 1)] * b)
+# The target shapes without the hint: the mixed launch runs first and exits early.
+for b, ctx in ((16, 1024), (64, 1024), (256, 4096)):
+    _add(f"decode {b}x{ctx} generic", "ours", [(1, ctx - 1)] * b)
+for name, seqs in {
+    "1 x 512": [(512, 0)],
+    "1 x 2048": [(2048, 0)],
+    "1 x 8192": [(8192, 0)],
+    "8 x 2048": [(2048, 0)] * 8,
+    "512 after 4096 cached": [(512, 4096)],
+}.items():
+    _add(f"prefill {name}", "ours", seqs)
+# Tiling sweeps behind pallas_kernels/tuning.py: split counts for one long sequence, prefill stages.
+for ctx, split_counts in ((1024, (1, 2, 4)), (4096, (4, 8, 16)), (16384, (16, 32, 128))):
+    for n in split_counts:
+        _add(f"sweep decode 1x{ctx} splits {n}", "ours", [(1, ctx - 1)], max_q_len=1, num_splits=n)
+_add("sweep decode 16x16384 splits 8", "ours", [(1, 16383)] * 16, max_q_len=1, num_splits=8)
+for stages in (2, 3):
+    tiling = dict(block_m=128, block_n=64, num_warps=4, num_stages=stages)
+    _add(f"sweep prefill 1 x 8192 stages {stages}", "ours", [(8192, 0)], **tiling)
+_add("mixed 4x512 + 128x2048", "ours", [(512, 0)] * 4 + [(1, 2047)] * 128)
+_add("mixed part: prefill 4x512", "ours", [(512, 0)] * 4)
+_add("mixed part: decode 128x2048", "ours", [(1, 2047)] * 128)
+
+
+def _marker(tag: str):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    x = jnp.zeros((16,), jnp.float32)
+    return jax.block_until_ready(pl.pallas_call(kernel, out_shape=x, name=tag)(x))
+
+
+def _case_fn(kind: str, seqs, options):
+    """(function, list of argument tuples, one per cache copy) for one case."""
+    import jax.numpy as jnp
+    from attention import builtin_decode, make_batch, ours
+    from jax.experimental import pallas as pl
+
+    if kind == "empty":
+
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        x = jnp.zeros((16,), jnp.float32)
+        return (lambda x: pl.pallas_call(kernel, out_shape=x, name="empty")(x)), [(x,)]
+    batch = make_batch("case", seqs, seed=len(seqs) * 31 + seqs[0][1])
+    if kind == "builtin":
+        return builtin_decode(batch)
+    return ours(**options), batch.args
+
+
+def _selected(name: str, only: list[str] | None) -> bool:
+    return only is None or any(o in name for o in only)
+
+
+def run_ncu(reps: int, only: list[str] | None) -> None:
+    import jax
+
+    for i, (name, kind, seqs, options) in enumerate(CASES):
+        if not _selected(name, only):
+            continue
+        try:
+            fn, sets = _case_fn(kind, seqs, options)
+            one = jax.jit(fn)
+            jax.block_until_ready(one(*sets[0]))  # compile outside the markers
+            _marker(f"mark_start_{i}")
+            for r in range(reps):
+                jax.block_until_ready(one(*sets[r % len(sets)]))
+            _marker(f"mark_end_{i}")
+            print(f"case {i}: {name}", file=sys.stderr, flush=True)
+            del fn, sets
+        except Exception as e:  # keep the other cases
+            print(f"case {i}: {name} FAILED {e!r}"[:400], file=sys.stderr, flush=True)
+
+
+def run_time(only: list[str] | None) -> None:
+    from attention import time_calls
+
+    for name, kind, seqs, options in CASES:
+        if not _selected(name, only):
+            continue
+        try:
+            fn, sets = _case_fn(kind, seqs, options)
+            t = time_calls(fn, sets, 10)
+            print(f"{name:44s} wall {t * 1e6:9.1f} us/call", flush=True)
+        except Exception as e:
+            print(f"{name:44s} FAILED {e!r}"[:300], flush=True)
+
+
+UNIT_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+
+
+def summarize(path: str) -> None:
+    """Per case: the kernels of one call (in launch order), each one's median duration, and their sum."""
+    rows = []
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") == "gpu__time_duration.sum":
+            unit = r["Metric Unit"]
+            scale = UNIT_US.get(unit, float("nan"))
+            rows.append((r["Kernel Name"], r["Grid Size"], float(r["Metric Value"].replace(",", "")) * scale))
+    i = 0
+    while i < len(rows):
+        name = rows[i][0]
+        if "mark_start_" not in name:
+            i += 1
+            continue
+        case = int(name.split("mark_start_")[1].split("_")[0].split("(")[0])
+        j = next(k for k in range(i + 1, len(rows)) if "mark_end_" in rows[k][0])
+        # The marker's own input (a broadcast) lands inside the segment: drop it.
+        kernels = [k for k in rows[i + 1 : j] if not k[0].startswith("wrapped_broadcast")]
+        reps = 0
+        by_pos: dict[int, list[float]] = defaultdict(list)
+        per_call = None
+        for n in range(1, len(kernels) + 1):  # the shortest period that tiles the list of kernel names
+            if len(kernels) % n == 0 and all(kernels[k][0] == kernels[k % n][0] for k in range(len(kernels))):
+                per_call, reps = n, len(kernels) // n
+                break
+        if per_call is None:
+            per_call, reps = len(kernels), 1
+        for k, (_, _, us) in enumerate(kernels):
+            by_pos[k % per_call].append(us)
+        med = [statistics.median(by_pos[k]) for k in range(per_call)]
+        print(f"\n{CASES[case][0]}  ({reps} calls, {per_call} kernels each): sum {sum(med):.1f} us")
+        for k in range(per_call):
+            print(f"    {kernels[k][0][:60]:60s} grid {kernels[k][1]:>16s} {med[k]:9.1f} us")
+        i = j + 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("ncu", "time"), default="time")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--summarize", default=None, help="an ncu --csv file of an --mode ncu run")
+    parser.add_argument("--only", default=None, help="comma-separated substrings: run the cases whose name has one")
+    args = parser.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
+    only = args.only.split(",") if args.only else None
+    if args.mode == "ncu":
+        run_ncu(args.reps, only)
+    else:
+        run_time(only)
+
+
+if __name__ == "__main__":
+    main()
