@@ -6,11 +6,12 @@
     python benchmarks/attention_kernels.py --summarize kernels.csv          # per case: kernels and their sum
 
 In `ncu` mode each case runs one warm-up call and `--reps` timed calls, one at a time, between two marker
-kernels (`mark_start_<i>`, `mark_end_<i>`), so the summary can cut the kernel list into cases. The cases are
-an empty Pallas kernel (the floor of a launch), the decode grid of benchmarks/attention.py as an engine's
-decode step calls it (max_q_len=1) next to JAX's built-in op, the target decode shapes without the hint,
-the prefill cases and the mixed batch with its parts. Shapes as in benchmarks/attention.py; `--only`
-picks cases by name.
+kernels (`mark_start_<i>`, `mark_end_<i>`), so the summary can cut the kernel list into cases. The cases:
+the ceilings (a 2 GiB copy and a bf16 8192^3 matmul, so every run carries its own), an empty Pallas
+kernel (the floor of a launch), the decode grid of benchmarks/attention.py as an engine's decode step
+calls it (max_q_len=1) next to JAX's built-in op, the target decode shapes without the hint, the tiling
+sweeps behind pallas_kernels/tuning.py, the prefill cases, and the mixed batch with its parts. Shapes as
+in benchmarks/attention.py; `--only` picks cases by name.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _add(name: str, kind: str, seqs: list[tuple[int, int]], **options) -> None:
     CASES.append((name, kind, seqs, options))
 
 
+_add("ceiling: copy 2 GiB", "copy", [])  # device-to-device bandwidth (read + write) in the same run
+_add("ceiling: bf16 matmul 8192", "matmul", [])  # bf16 matrix rate in the same run
 _add("empty pallas_call", "empty", [])
 # Decode as an engine's decode step calls it (max_q_len=1: no mixed launch) and JAX's built-in op.
 for b in (1, 16, 64, 256):
@@ -72,10 +75,18 @@ def _marker(tag: str):
 
 def _case_fn(kind: str, seqs, options):
     """(function, list of argument tuples, one per cache copy) for one case."""
+    import jax
     import jax.numpy as jnp
     from attention import builtin_decode, make_batch, ours
     from jax.experimental import pallas as pl
 
+    if kind == "copy":
+        x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.bfloat16)
+        return (lambda x: -x), [(x,)]
+    if kind == "matmul":
+        a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+        b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+        return (lambda a, b: a @ b), [(a, b)]
     if kind == "empty":
 
         def kernel(x_ref, o_ref):
@@ -122,9 +133,18 @@ def run_time(only: list[str] | None) -> None:
         try:
             fn, sets = _case_fn(kind, seqs, options)
             t = time_calls(fn, sets, 10)
-            print(f"{name:44s} wall {t * 1e6:9.1f} us/call", flush=True)
+            print(f"{name:44s} wall {t * 1e6:9.1f} us/call{_rate(name, t * 1e6)}", flush=True)
         except Exception as e:
             print(f"{name:44s} FAILED {e!r}"[:300], flush=True)
+
+
+def _rate(name: str, us: float) -> str:
+    """The ceiling cases as rates: copy bandwidth (2 GiB read + 2 GiB written) and matmul TFLOP/s."""
+    if name.startswith("ceiling: copy"):
+        return f" = {2 * 2**31 / us / 1e6:.2f} TB/s"
+    if name.startswith("ceiling: bf16 matmul"):
+        return f" = {2 * 8192**3 / us / 1e6:.1f} TFLOP/s"
+    return ""
 
 
 UNIT_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
@@ -162,7 +182,8 @@ def summarize(path: str) -> None:
         for k, (_, _, us) in enumerate(kernels):
             by_pos[k % per_call].append(us)
         med = [statistics.median(by_pos[k]) for k in range(per_call)]
-        print(f"\n{CASES[case][0]}  ({reps} calls, {per_call} kernels each): sum {sum(med):.1f} us")
+        name = CASES[case][0]
+        print(f"\n{name}  ({reps} calls, {per_call} kernels each): sum {sum(med):.1f} us{_rate(name, sum(med))}")
         for k in range(per_call):
             print(f"    {kernels[k][0][:60]:60s} grid {kernels[k][1]:>16s} {med[k]:9.1f} us")
         i = j + 1
