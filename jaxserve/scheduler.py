@@ -270,6 +270,8 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         cfg = self.config
+        if not self.waiting:
+            return  # nothing to admit: skip the O(running) reservation count
         if cfg.scheduler.capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT:
             plan.reserved_blocks = self._reserved_blocks()
         index = 0
