@@ -50,6 +50,21 @@ def _tiny_hf_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
     )
 
 
+@pytest.fixture(autouse=True, params=["rust-stream", "python"])
+def detokenizer_path(request, monkeypatch) -> str:
+    """Every test runs on both detokenizer paths: the Rust DecodeStream and the Python fallback."""
+    import jaxserve.tokenizer as tokenizer_module
+
+    if request.param == "python":
+        monkeypatch.setattr(tokenizer_module, "_rust_backend", lambda tokenizer: None)
+    return request.param
+
+
+def test_fast_tokenizers_take_the_stream_path(tok, detokenizer_path):
+    detok = IncrementalDetokenizer(tok)
+    assert (detok._stream is not None) == (detokenizer_path == "rust-stream")
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tokenizer")
