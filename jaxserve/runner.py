@@ -124,7 +124,8 @@ def step_fn(
     )
     padded = jnp.zeros_like(previous_tokens).at[: out.token_ids.shape[0]].set(out.token_ids)
     # top_k over the vocabulary costs 2.2 ms for 256 x 128256 on an H200 (an argmax 0.05 ms): it runs only
-    # in steps where some row asked for logprobs, a branch decided on the device.
+    # in steps where some row asked for logprobs, a branch decided on the device (which, like every XLA
+    # GPU conditional, makes the host wait for the device at this point; see sampler.sample).
     ranks, top_logprobs, top_ids = jax.lax.cond(
         inputs.want_logprobs,
         partial(_logprob_details, num_top=num_top_logprobs),

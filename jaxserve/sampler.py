@@ -132,9 +132,12 @@ def sample(
     if (token_history is None) != (num_prompt_tokens is None):
         raise ValueError("sample: pass token_history and num_prompt_tokens together, or neither")
     logits = logits.astype(jnp.float32)
-    # Work the batch does not need is skipped with lax.cond, a branch taken on the device that Python
-    # never waits for. Measured on an H200 for 256 rows of a 49k vocabulary: the sort takes 0.9 ms
-    # (2.1 ms at 128k) against 0.07 ms for an argmax, and the conds cost about 0.04 ms.
+    # Work the batch does not need is skipped with lax.cond. Measured on an H200 for 256 rows of a 49k
+    # vocabulary: the sort takes 0.9 ms (2.1 ms at 128k) against 0.07 ms for an argmax, and the conds
+    # cost about 0.04 ms of device time. But XLA's GPU conditional copies its predicate to the host and
+    # blocks the host until the device gets there (ConditionalThunk), so the step call returns only
+    # after the forward pass: docs/benchmarks.md (third 8B run) has the measurement and the planned fix
+    # (host-chosen static variants instead of device predicates).
     penalised = logits
     if token_history is not None:
         has_penalty = (
