@@ -5,7 +5,9 @@ query heads of that kv head in one tile (the group padded to the 16-row minimum 
 so every K/V block is read once per kv head. Each sequence's key tiles are divided evenly among its
 num_splits programs, so a short sequence in a batch sized for long ones gets short splits. With one
 split the program normalises and writes its output rows directly; otherwise it writes per-split partial
-outputs and log2-sum-exp values that `_combine_kernel` merges into the output rows, in place on `out`.
+outputs and log2-sum-exp values that `_combine_kernel` (grid (B, H)) merges into the output rows, in
+place on `out`. In a decode-only launch (`max_q_len=1`) there is no `out` yet: the last launch creates
+the output and also writes the padding tokens' zero rows.
 """
 
 from __future__ import annotations
