@@ -128,6 +128,9 @@ class CompileConfig:
     cache_dir: persistent compilation cache directory; None uses the default under the user cache dir.
     penalty_variants: also compile every bucket with a token history, which the repetition / presence /
         frequency penalties need; without it a request that asks for a penalty is refused.
+    prompt_logprobs: also compile every token bucket with logprobs at every prompt position, which
+        SamplingParams.prompt_logprobs needs (like TensorRT-LLM's gather_context_logits); without it such a
+        request is refused.
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None
@@ -135,6 +138,7 @@ class CompileConfig:
     enable_padding: bool = True
     cache_dir: str | None = None
     penalty_variants: bool = True
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalising a field needs object.__setattr__.
@@ -146,6 +150,8 @@ class CompileConfig:
             raise ValueError(f"cache_dir must be None or a non-empty path string, got {self.cache_dir!r}")
         if not isinstance(self.penalty_variants, bool):
             raise ValueError(f"penalty_variants must be a bool, got {self.penalty_variants!r}")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise ValueError(f"prompt_logprobs must be a bool, got {self.prompt_logprobs!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.inputs import (
     BucketTable,
     carried_tokens,
+    make_prompt_targets,
     make_sampling_inputs,
     make_step_inputs,
     make_token_history,
@@ -75,6 +76,7 @@ class _InFlight:
     batch: ScheduledBatch
     output: StepOutput
     stats: StepStats
+    row_offsets: np.ndarray | None = None  # first flat token of each row, when the step has prompt logprobs
 
 
 @dataclass(slots=True)
@@ -86,6 +88,8 @@ class _Group:
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
+    # prompt_logprobs: position 0 has none; position p + 1 is appended once the step computing p is read.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class Engine:
@@ -119,6 +123,7 @@ class Engine:
             max_seq_len=config.max_seq_len,
             num_top_logprobs=MAX_LOGPROBS,
             penalty_variants=config.compile.penalty_variants,
+            prompt_logprob_variants=config.compile.prompt_logprobs,
         )
         self.runner = Runner(spec, weights, mesh=mesh, seed=seed)
         self.kv_budget = self._size_kv_cache(cfg, dtype)
@@ -145,13 +150,17 @@ class Engine:
         memory = [capacity.device_memory(d) for d in devices]
         if any(m is None for m in memory):
             return capacity.kv_budget(self.config, per_token, None)
-        largest = max(self.buckets.buckets, key=lambda b: (b.num_tokens, b.num_seqs))
+        # The largest variant: the largest bucket, with penalties and prompt logprobs when they are compiled
+        # (a token bucket then, as only those have prompt-logprobs variants).
+        prompt_lp = self.config.compile.prompt_logprobs
+        candidates = [b for b in self.buckets.buckets if not (prompt_lp and b.decode_only)]
+        largest = max(candidates, key=lambda b: (b.num_tokens, b.num_seqs, not b.decode_only))
         probe_blocks = self.buckets.max_blocks_per_seq + 1
         penalties = self.config.compile.penalty_variants
-        probe = self.runner.compile_step(largest, penalties, num_blocks=probe_blocks)
+        probe = self.runner.compile_step(largest, penalties, num_blocks=probe_blocks, prompt_lp=prompt_lp)
         compiled_peak = capacity.activation_peak(probe)
         before = [capacity.device_memory(d) for d in devices]
-        self.runner.probe_step(probe, largest, penalties, probe_blocks)
+        self.runner.probe_step(probe, largest, penalties, probe_blocks, prompt_lp)
         peaks = [capacity.peak_bytes_in_use(d) for d in devices]
         # The probe step's peak above what was in use before it (its small pool included: conservative).
         # peak_bytes_in_use never resets, so a load-time peak can hide the step's: the compiled figure
@@ -197,7 +206,8 @@ class Engine:
         eos = frozenset(self.tokenizer.eos_token_ids)
         samples = make_requests(request_id, ids, params, eos_token_ids=eos, prompt=text)
         detok = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in samples]
-        self._groups[request_id] = _Group(text, ids, samples, detok, [[] for _ in samples])
+        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self._groups[request_id] = _Group(text, ids, samples, detok, [[] for _ in samples], prompt_logprobs)
         for request in samples:
             self.scheduler.add(request)
         if any(r.is_finished for r in samples):
@@ -205,8 +215,8 @@ class Engine:
         return request_id
 
     def _check_supported(self, params: SamplingParams) -> None:
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine yet; leave it None")
+        if params.prompt_logprobs is not None and not self.config.compile.prompt_logprobs:
+            raise ValueError("prompt_logprobs needs CompileConfig(prompt_logprobs=True) at engine start")
         if _has_penalty(params) and not self.config.compile.penalty_variants:
             raise ValueError(
                 "repetition/presence/frequency penalties need CompileConfig(penalty_variants=True) at engine start"
@@ -251,6 +261,10 @@ class Engine:
         history = None
         if any(_has_penalty(r.request.sampling_params) for r in batch.rows):  # add_request ensured the variant
             history = make_token_history(batch, rows, self.config.max_seq_len, self.vocab_size)
+        prompt_targets = row_offsets = None
+        if any(r.is_prefill and r.request.sampling_params.prompt_logprobs is not None for r in batch.rows):
+            prompt_targets = make_prompt_targets(batch, inputs.bucket.num_tokens)
+            row_offsets = inputs.cu_q_lens[: len(batch.rows)]
         dispatch_start = time.perf_counter()
         output = self.runner.run(
             inputs,
@@ -259,6 +273,7 @@ class Engine:
             self._banned_tokens(batch, rows),
             history,
             want_logprobs=any(r.request.sampling_params.logprobs is not None for r in batch.rows),
+            prompt_targets=prompt_targets,
         )
         stats = StepStats(
             num_tokens=batch.num_tokens,
@@ -273,7 +288,7 @@ class Engine:
             dispatch_seconds=time.perf_counter() - dispatch_start,
             launched_at=dispatch_start,
         )
-        return _InFlight(batch, output, stats)
+        return _InFlight(batch, output, stats, row_offsets)
 
     def _banned_tokens(self, batch: ScheduledBatch, rows: int) -> np.ndarray:
         """EOS and stop ids a row may not sample yet (min_tokens); padded with the vocab size."""
@@ -291,6 +306,8 @@ class Engine:
         tokens = np.asarray(flight.output.token_ids)
         wants_logprobs = any(r.request.sampling_params.logprobs is not None for r in batch.rows)
         logprobs = _host_logprobs(flight.output) if wants_logprobs else None
+        if flight.row_offsets is not None:
+            self._record_prompt_logprobs(flight)
         receiving = [
             (i, row.request)
             for i, row in enumerate(batch.rows)
@@ -306,6 +323,32 @@ class Engine:
                 group.logprobs[request.index].append(_position_logprobs(logprobs, i, request))
             changed.add(request.request_id)
         return changed
+
+    def _record_prompt_logprobs(self, flight: _InFlight) -> None:
+        """Appends the prompt positions this step scored to their groups, each position once.
+
+        A row's token at position p scores prompt position p + 1. A position already recorded (a
+        preempted request recomputes its prompt) is skipped; the values are valid either way.
+        """
+        out = flight.output
+        fields = (out.prompt_logprobs, out.prompt_ranks, out.prompt_top_logprobs, out.prompt_top_token_ids)
+        chosen, ranks, top_lp, top_ids = (np.asarray(f) for f in fields)
+        for row, offset in zip(flight.batch.rows, flight.row_offsets.tolist(), strict=True):
+            request = row.request
+            k = request.sampling_params.prompt_logprobs
+            group = self._groups.get(request.request_id)
+            if not row.is_prefill or k is None or group is None or group.prompt_logprobs is None:
+                continue
+            entries, prompt = group.prompt_logprobs, request.prompt_token_ids
+            for i in range(row.num_tokens):
+                position = row.start + i + 1
+                if position >= len(prompt) or position != len(entries):
+                    continue
+                t, token = offset + i, prompt[position]
+                entry = {int(top_ids[t, r]): Logprob(float(top_lp[t, r]), rank=r + 1) for r in range(k)}
+                if token not in entry:
+                    entry[token] = Logprob(float(chosen[t]), rank=int(ranks[t]))
+                entries.append(entry)
 
     def _append_text(self, group: _Group, request: Request, token: int) -> None:
         detok = group.detokenizers[request.index]
@@ -349,6 +392,7 @@ class Engine:
             finished=finished,
             metrics=group.samples[0].metrics,
             error=errors[0] if errors else None,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
         )
         if finished:
             del self._groups[request_id]

@@ -223,6 +223,27 @@ def make_step_inputs(batch: ScheduledBatch, buckets: BucketTable) -> StepInputs:
     )
 
 
+NO_TARGET = -1  # a flat token whose next token is not a prompt token (or whose request wants no prompt logprobs)
+
+
+def make_prompt_targets(batch: ScheduledBatch, num_tokens: int) -> np.ndarray:
+    """For each flat token of the step, the prompt token that follows it when its request asked for prompt
+    logprobs (the logprob of prompt position p + 1 is read at position p), else NO_TARGET."""
+    targets = np.full(num_tokens, NO_TARGET, dtype=np.int32)
+    offset = 0
+    for row in batch.rows:
+        request = row.request
+        if row.is_prefill and request.sampling_params.prompt_logprobs is not None:
+            positions = np.arange(row.start, row.start + row.num_tokens)
+            follows = positions + 1 < request.num_prompt_tokens
+            prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
+            targets[offset : offset + row.num_tokens] = np.where(
+                follows, prompt[np.minimum(positions + 1, len(prompt) - 1)], NO_TARGET
+            )
+        offset += row.num_tokens
+    return targets
+
+
 def _token_ids(batch: ScheduledBatch, num_tokens: int, row_offsets: np.ndarray) -> np.ndarray:
     """Host-known input tokens at their flat positions; pending ones (and padding) stay 0."""
     rows = batch.rows

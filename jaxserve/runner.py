@@ -11,7 +11,9 @@ would compile after warmup is refused with an error naming the shape.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -68,6 +70,16 @@ class StepOutput:
     ranks: Int[Array, " B"]  # 1 + tokens more likely than the sampled one, over the whole vocabulary
     top_logprobs: Float[Array, "B N"]
     top_token_ids: Int[Array, "B N"]
+    # Prompt-logprobs variants only: per flat token, the logprob and rank of the prompt token after it.
+    prompt_logprobs: Float[Array, " T"] | None = None
+    prompt_ranks: Int[Array, " T"] | None = None
+    prompt_top_logprobs: Float[Array, "T N"] | None = None
+    prompt_top_token_ids: Int[Array, "T N"] | None = None
+
+
+# Tokens per slice of the prompt-logprobs computation: the logits of one slice ([slice, V] float32) are
+# all it holds at once.
+PROMPT_LOGPROBS_SLICE = 512
 
 
 def _gather_carried(inputs: DeviceInputs, previous_tokens: Int[Array, " Bmax"]) -> Int[Array, " T"]:
@@ -87,6 +99,7 @@ def step_fn(
     key: Array,
     token_history: Int[Array, "B S"] | None,
     num_prompt_tokens: Int[Array, " B"] | None,
+    prompt_targets: Int[Array, " T"] | None = None,
     *,
     family: ModuleType,
     cfg: Any,
@@ -133,7 +146,45 @@ def step_fn(
         logits,
         out.token_ids,
     )
-    return StepOutput(padded, out.logprobs, ranks, top_logprobs, top_ids), kv_cache
+    output = StepOutput(padded, out.logprobs, ranks, top_logprobs, top_ids)
+    if prompt_targets is not None:
+        prompt = _prompt_logprobs(weights, hidden, prompt_targets, family=family, cfg=cfg, num_top=num_top_logprobs)
+        output = dataclasses.replace(
+            output,
+            prompt_logprobs=prompt[0],
+            prompt_ranks=prompt[1],
+            prompt_top_logprobs=prompt[2],
+            prompt_top_token_ids=prompt[3],
+        )
+    return output, kv_cache
+
+
+def _prompt_logprobs(
+    weights: Any, hidden: Float[Array, "T D"], targets: Int[Array, " T"], *, family: ModuleType, cfg: Any, num_top: int
+) -> tuple[Float[Array, " T"], Int[Array, " T"], Float[Array, "T N"], Int[Array, "T N"]]:
+    """Logprob and rank of each token's target (the next prompt token; negative: none, zeros returned) and
+    the top-N logprobs, over the raw logits (no bans), PROMPT_LOGPROBS_SLICE tokens at a time."""
+    num_tokens = hidden.shape[0]
+    size = math.gcd(num_tokens, PROMPT_LOGPROBS_SLICE)
+
+    def one_slice(args):
+        h, t = args
+        logits = family.compute_logits(weights, h, cfg).astype(jnp.float32)
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(logprobs, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+        ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+        valid = t >= 0
+        return jnp.where(valid, chosen, 0.0), jnp.where(valid, ranks, 0), top_logprobs, top_ids.astype(jnp.int32)
+
+    slices = (hidden.reshape(num_tokens // size, size, -1), targets.reshape(num_tokens // size, size))
+    chosen, ranks, top_logprobs, top_ids = jax.lax.map(one_slice, slices)
+    return (
+        chosen.reshape(num_tokens),
+        ranks.reshape(num_tokens),
+        top_logprobs.reshape(num_tokens, num_top),
+        top_ids.reshape(num_tokens, num_top),
+    )
 
 
 def _logprob_details(
@@ -165,6 +216,7 @@ class RunnerSpec:
     max_seq_len: int
     num_top_logprobs: int
     penalty_variants: bool  # also compile each bucket with a token history for the penalties
+    prompt_logprob_variants: bool = False  # also compile each token bucket with prompt logprobs
 
 
 class Runner:
@@ -184,7 +236,8 @@ class Runner:
         self.num_blocks = 0
         self._key = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
         self._previous = jax.device_put(np.zeros(spec.buckets.max_batch_size, np.int32), self._replicated)
-        self._compiled: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
+        # (bucket, penalties, prompt logprobs) -> the compiled step
+        self._compiled: dict[tuple[Bucket, bool, bool], jax.stages.Compiled] = {}
         self._step_count = 0
 
     # ---- memory ---------------------------------------------------------------------------------
@@ -208,7 +261,7 @@ class Runner:
 
     # ---- compilation ----------------------------------------------------------------------------
 
-    def _abstract_args(self, bucket: Bucket, penalties: bool, num_blocks: int) -> tuple:
+    def _abstract_args(self, bucket: Bucket, penalties: bool, num_blocks: int, prompt_lp: bool = False) -> tuple:
         rep = self._replicated
         T, B, M = bucket.num_tokens, bucket.num_seqs, self.spec.buckets.max_blocks_per_seq
 
@@ -242,9 +295,12 @@ class Runner:
         history = (arr((B, self.spec.max_seq_len)), arr((B,))) if penalties else (None, None)
         previous = arr((self.spec.buckets.max_batch_size,))
         key = jax.ShapeDtypeStruct(self._key.shape, self._key.dtype, sharding=rep)
-        return (weights, PagedKVCache(cache_leaf, cache_leaf), inputs, sampling, previous, key, *history)
+        targets = arr((T,)) if prompt_lp else None
+        return (weights, PagedKVCache(cache_leaf, cache_leaf), inputs, sampling, previous, key, *history, targets)
 
-    def compile_step(self, bucket: Bucket, penalties: bool, num_blocks: int | None = None) -> jax.stages.Compiled:
+    def compile_step(
+        self, bucket: Bucket, penalties: bool, num_blocks: int | None = None, prompt_lp: bool = False
+    ) -> jax.stages.Compiled:
         """Lowers and compiles the step for one bucket (not cached here: warmup stores the results)."""
         spec = self.spec
         fn = partial(
@@ -256,12 +312,14 @@ class Runner:
             max_q_len=1 if bucket.decode_only else None,
         )
         jitted = jax.jit(fn, donate_argnums=(1,))  # argument 1 is the KV cache: updated in place
-        args = self._abstract_args(bucket, penalties, self.num_blocks if num_blocks is None else num_blocks)
+        args = self._abstract_args(bucket, penalties, self.num_blocks if num_blocks is None else num_blocks, prompt_lp)
         return jitted.lower(*args).compile()
 
-    def probe_step(self, compiled: jax.stages.Compiled, bucket: Bucket, penalties: bool, num_blocks: int) -> None:
+    def probe_step(
+        self, compiled: jax.stages.Compiled, bucket: Bucket, penalties: bool, num_blocks: int, prompt_lp: bool = False
+    ) -> None:
         """Runs a step compiled for a small pool once on an all-padding batch (for its memory peak)."""
-        args = self._abstract_args(bucket, penalties, num_blocks)
+        args = self._abstract_args(bucket, penalties, num_blocks, prompt_lp)
         weights, cache, *rest = args
         zeros = [
             jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), x)
@@ -273,23 +331,30 @@ class Runner:
         jax.block_until_ready(out)
 
     def warmup(self, show_progress: bool = True) -> float:
-        """Compiles every bucket (with and without penalties) ahead of time; returns the seconds taken."""
+        """Compiles every step variant ahead of time; returns the seconds taken.
+
+        Variants: every bucket with and without penalties (penalty_variants), and every token bucket with
+        prompt logprobs (prompt_logprob_variants).
+        """
         from tqdm.auto import tqdm
 
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache before warmup")
         variants = (False, True) if self.spec.penalty_variants else (False,)
-        shapes = [(b, p) for b in self.spec.buckets.buckets for p in variants]
+        shapes = [(b, p, False) for b in self.spec.buckets.buckets for p in variants]
+        if self.spec.prompt_logprob_variants:
+            shapes += [(b, p, True) for b in self.spec.buckets.buckets if not b.decode_only for p in variants]
         start = time.perf_counter()
-        for bucket, penalties in tqdm(shapes, desc="compiling step buckets", disable=not show_progress):
+        for bucket, penalties, prompt_lp in tqdm(shapes, desc="compiling step buckets", disable=not show_progress):
             t0 = time.perf_counter()
-            self._compiled[(bucket, penalties)] = self.compile_step(bucket, penalties)
+            self._compiled[(bucket, penalties, prompt_lp)] = self.compile_step(bucket, penalties, prompt_lp=prompt_lp)
             logger.info(
-                "compiled T=%d B=%d%s penalties=%s in %.2fs",
+                "compiled T=%d B=%d%s penalties=%s prompt_logprobs=%s in %.2fs",
                 bucket.num_tokens,
                 bucket.num_seqs,
                 " (decode)" if bucket.decode_only else "",
                 penalties,
+                prompt_lp,
                 time.perf_counter() - t0,
             )
         total = time.perf_counter() - start
@@ -306,16 +371,21 @@ class Runner:
         banned_tokens: np.ndarray,
         history: TokenHistory | None = None,
         want_logprobs: bool = False,
+        prompt_targets: np.ndarray | None = None,
     ) -> StepOutput:
-        """Dispatches one precompiled step; returns its device outputs without waiting for them."""
+        """Dispatches one precompiled step; returns its device outputs without waiting for them.
+
+        prompt_targets: per flat token, the next prompt token whose logprob to compute (inputs.NO_TARGET
+        for none); only the prompt-logprobs variants take it.
+        """
         bucket = inputs.bucket
-        compiled = self._compiled.get((bucket, history is not None))
+        compiled = self._compiled.get((bucket, history is not None, prompt_targets is not None))
         if compiled is None:
             shapes = [(b.num_tokens, b.num_seqs, b.decode_only) for b in self.spec.buckets.buckets]
             raise RuntimeError(
                 f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} decode_only={bucket.decode_only} "
-                f"penalties={history is not None}: shapes are compiled only at warmup "
-                f"(compiled (T, B, decode_only): {shapes})"
+                f"penalties={history is not None} prompt_logprobs={prompt_targets is not None}: shapes are "
+                f"compiled only at warmup (compiled (T, B, decode_only): {shapes})"
             )
         device_inputs = DeviceInputs(
             **inputs.arrays(),
@@ -327,9 +397,8 @@ class Runner:
         )
         sampling_tensors = _host_sampling(sampling)
         hist = (history.token_ids, history.num_prompt_tokens) if history is not None else (None, None)
-        out, self.kv_cache = compiled(
-            self.weights, self.kv_cache, device_inputs, sampling_tensors, self._previous, self._key, *hist
-        )
+        args = (self.weights, self.kv_cache, device_inputs, sampling_tensors, self._previous, self._key)
+        out, self.kv_cache = compiled(*args, *hist, prompt_targets)
         self._previous = out.token_ids
         self._step_count += 1
         return out

@@ -233,3 +233,25 @@ def test_engine_sizes_its_pool_from_device_memory_and_a_probe_step(monkeypatch, 
     assert llm.engine.kv_budget.num_blocks == expected
     assert llm.engine.kv_budget.source == "device memory"
     assert real_probe(jax.devices()[0]) >= 0  # the real reader answers on CPU too (0: not reported)
+
+
+def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypatch, tiny_model, make_llm):
+    """With prompt-logprobs variants the largest step also holds a slice of full-vocabulary logits: that
+    variant (of the largest token bucket) is the one probed."""
+    from jaxserve.config import CompileConfig
+    from jaxserve.runner import Runner
+
+    monkeypatch.setattr(capacity, "device_memory", lambda device: (4 * GB, GB))
+    monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: GB)
+    probed = []
+    original = Runner.probe_step
+
+    def probe_step(self, compiled, bucket, penalties, num_blocks, prompt_lp=False):
+        probed.append((bucket, prompt_lp))
+        original(self, compiled, bucket, penalties, num_blocks, prompt_lp)
+
+    monkeypatch.setattr(Runner, "probe_step", probe_step)
+    config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=False, prompt_logprobs=True)
+    make_llm(tiny_model("llama"), max_seq_len=64, max_num_tokens=16, compile_config=config)
+    [(bucket, prompt_lp)] = probed
+    assert prompt_lp and not bucket.decode_only and bucket.num_tokens == 16

@@ -79,6 +79,10 @@ def test_compile_config_normalizes_and_rejects():
         CompileConfig(token_buckets=[])
     with pytest.raises(ValueError, match="cache_dir"):
         CompileConfig(cache_dir="")
+    with pytest.raises(ValueError, match="penalty_variants must be a bool"):
+        CompileConfig(penalty_variants=1)
+    with pytest.raises(ValueError, match="prompt_logprobs must be a bool"):
+        CompileConfig(prompt_logprobs="yes")
 
 
 @pytest.mark.parametrize(

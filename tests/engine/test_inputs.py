@@ -5,12 +5,14 @@ import pytest
 
 from jaxserve.config import CompileConfig, EngineConfig, KvCacheConfig
 from jaxserve.inputs import (
+    NO_TARGET,
     Bucket,
     BucketTable,
     carried_tokens,
     default_token_buckets,
     filter_decode_batch_sizes,
     generate_decode_batch_sizes,
+    make_prompt_targets,
     make_sampling_inputs,
     make_step_inputs,
     make_token_history,
@@ -147,6 +149,18 @@ def test_step_inputs_of_a_mixed_batch():
         array = getattr(inputs, name)
         assert array.dtype == np.int32, name
         np.testing.assert_array_equal(array, np.array(value, dtype=np.int32), err_msg=name)
+
+
+def test_prompt_targets_are_the_next_prompt_token_of_scoring_rows_only():
+    a = request_with(list(range(100, 109)), "a", prompt_logprobs=2)  # last chunk: positions 4..8 of 9
+    b = request_with(list(range(200, 220)), "b", prompt_logprobs=0)  # first chunk: positions 0..2 of 20
+    c = request_with(list(range(300, 307)), "c")  # no prompt logprobs
+    rows = [row(a, 4, 5, [7, 3, 9]), row(b, 0, 3, [5], samples=False), row(c, 0, 2, [2], samples=False)]
+    targets = make_prompt_targets(ScheduledBatch(rows=rows, num_prefill_rows=3), 16)
+    none = NO_TARGET
+    # a: positions 4..7 score prompt tokens 5..8; position 8 is the last prompt token (it samples).
+    expected = [105, 106, 107, 108, none] + [201, 202, 203] + [none, none] + [none] * 6
+    np.testing.assert_array_equal(targets, np.array(expected, dtype=np.int32))
 
 
 def test_padding_rows_of_a_decode_step_own_no_tokens_and_point_at_block_0():

@@ -314,7 +314,7 @@ def test_malformed_prompts_are_value_errors(llm, prompt, message, serves_after):
 @pytest.mark.parametrize(
     "params, message",
     [
-        (SamplingParams(prompt_logprobs=2), "prompt_logprobs is not supported"),
+        (SamplingParams(prompt_logprobs=2), r"prompt_logprobs needs CompileConfig\(prompt_logprobs=True\)"),
         (SamplingParams(min_tokens=2, stop_token_ids=range(8)), "min_tokens can hold back at most 8"),
     ],
     ids=["prompt-logprobs", "too-many-banned-ids"],
@@ -322,6 +322,65 @@ def test_malformed_prompts_are_value_errors(llm, prompt, message, serves_after):
 def test_what_the_engine_cannot_serve_is_a_value_error(llm, params, message, serves_after):
     with pytest.raises(ValueError, match=message):
         llm.generate([random_prompt(81, 4)], params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def scoring_llm(model, tokenizer, make_llm):
+    """Prompt-logprobs variants compiled; 16 tokens per step, so longer prompts are prefilled in chunks."""
+    buckets = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=False, prompt_logprobs=True)
+    return make_llm(model, tokenizer, compile_config=buckets, max_num_tokens=16)
+
+
+def _check_prompt_logprobs(output, prompt, k, reference) -> None:
+    """vLLM's layout: None at position 0, then per position the prompt token and the top-k, with ranks."""
+    entries = output.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    for position in range(1, len(prompt)):
+        expected = reference[position - 1]
+        top = np.argsort(-expected, kind="stable")[:k].tolist()
+        entry = entries[position]
+        assert set(entry) == {prompt[position], *top}, f"position {position}"
+        for token_id, logprob in entry.items():
+            np.testing.assert_allclose(logprob.logprob, expected[token_id], atol=1e-4, rtol=0)
+            # Tokens within the tolerance of this one may fall on either side of it in float32.
+            surely_above = int(np.sum(expected > expected[token_id] + 1e-4))
+            maybe_above = int(np.sum(expected > expected[token_id] - 1e-4)) - 1
+            assert 1 + surely_above <= logprob.rank <= 1 + maybe_above, f"position {position}"
+
+
+def test_prompt_logprobs_match_the_reference_across_chunks_and_prefix_hits(
+    scoring_llm, model, dense_logits, dense_greedy, assert_engine_idle
+):
+    long_prompt, short_prompt, other = random_prompt(60, 45), random_prompt(61, 9), random_prompt(62, 30)
+    scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # The same long prompt twice (the second would hit the prefix cache: a scoring request reuses nothing),
+    # an unscored request in the same steps, and a top-0 request (only the prompt token itself).
+    prompts = [long_prompt, other, long_prompt, short_prompt]
+    params = [scored, plain, scored, dataclasses.replace(scored, prompt_logprobs=0)]
+
+    outputs = scoring_llm.generate(prompts, params, use_tqdm=False)
+
+    for output, prompt, p in zip(outputs, prompts, params, strict=True):
+        assert output.outputs[0].token_ids == dense_greedy([prompt], 4)[0]
+        if p.prompt_logprobs is None:
+            assert output.prompt_logprobs is None
+        else:
+            _check_prompt_logprobs(output, prompt, p.prompt_logprobs, log_softmax64(dense_logits(model, prompt)))
+    assert_engine_idle(scoring_llm)
+
+
+def test_prompt_logprobs_with_n_samples_and_a_one_token_prompt(scoring_llm, model, dense_logits, assert_engine_idle):
+    prompt = random_prompt(63, 20)
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    one_token = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+
+    sampled, single = scoring_llm.generate([prompt, [7]], [params, one_token], use_tqdm=False)
+
+    assert len(sampled.outputs) == 2
+    _check_prompt_logprobs(sampled, prompt, 2, log_softmax64(dense_logits(model, prompt)))
+    assert single.prompt_logprobs == [None]
+    assert_engine_idle(scoring_llm)
 
 
 def test_a_prompt_longer_than_max_seq_len_fails_alone(llm, dense_greedy, serves_after):
