@@ -2,6 +2,7 @@
 # The engine figures of docs/benchmarks.md on one H200, in two parts (each fits one device call):
 #   bash benchmarks/h200_engine.sh llama8b   # ceilings, then the Llama-3.1-8B-shaped model (cold, then cached warmup)
 #   bash benchmarks/h200_engine.sh smollm2   # SmolLM2: pallas cold + cached warmup, then xla, token comparison
+#   bash benchmarks/h200_engine.sh dispatch  # which ops make the step call block the host (dispatch_sync.py)
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -27,5 +28,9 @@ case "${1:-}" in
     run smollm2_pallas_cached 100 "${S[@]}" --backend pallas
     run smollm2_xla 200 "${S[@]}" --backend xla --compare-tokens "$OUT/pallas_tokens.npy"
     ;;
-  *) echo "usage: $0 llama8b|smollm2" >&2; exit 2 ;;
+  dispatch)
+    echo "== python benchmarks/dispatch_sync.py"
+    timeout 300 python3 benchmarks/dispatch_sync.py | tee "$OUT/dispatch_sync.txt"
+    ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch" >&2; exit 2 ;;
 esac
