@@ -4,7 +4,8 @@ bucket ahead of time at warmup, and runs a step: `run(inputs) -> StepOutput` (de
 One compiled step (DESIGN.md "Data flow") does, on the device:
   1. gathers the tokens the previous step sampled into this step's token_ids (overlap);
   2. the model's forward over the flat token batch, writing K/V into the donated cache;
-  3. logits at each sequence's last token, min_tokens bans, then the sampler.
+  3. logits at each sequence's last token, min_tokens bans, then the sampler; prompt-logprobs variants
+     also score every flat token's next prompt token.
 It is the JAX stand-in for a captured CUDA graph: shapes are fixed per bucket, and anything that
 would compile after warmup is refused with an error naming the shape.
 """
