@@ -383,6 +383,21 @@ def test_prompt_logprobs_with_n_samples_and_a_one_token_prompt(scoring_llm, mode
     assert_engine_idle(scoring_llm)
 
 
+def test_prompt_logprobs_with_penalties_use_the_raw_logits(
+    model, tokenizer, make_llm, dense_logits, assert_engine_idle
+):
+    """The (penalties, prompt logprobs) variant: penalties change the sampling, not the prompt's scores."""
+    buckets = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=True, prompt_logprobs=True)
+    llm = make_llm(model, tokenizer, compile_config=buckets, max_num_tokens=16)
+    prompt = random_prompt(64, 21)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1, repetition_penalty=1.3)
+
+    [output] = llm.generate([prompt], params, use_tqdm=False)
+
+    _check_prompt_logprobs(output, prompt, 1, log_softmax64(dense_logits(model, prompt)))
+    assert_engine_idle(llm)
+
+
 def test_a_prompt_longer_than_max_seq_len_fails_alone(llm, dense_greedy, serves_after):
     prompts = [random_prompt(90, 10), random_prompt(91, MODEL_MAX_SEQ_LEN), random_prompt(92, 30)]
 
