@@ -280,3 +280,24 @@ def test_default_model_greedy_matches_dense_with_preemption(smollm2, make_llm, a
     assert llm.engine.block_manager.stats.hit_tokens > 0
     assert "Paris" in outputs[0].outputs[0].text
     assert_engine_idle(llm)
+
+
+def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch, tiny_model, make_llm):
+    """Compiled decode buckets pass max_q_len=1 (the Pallas kernel then skips its mixed launch); token
+    buckets, which also carry prefill chunks, pass None. The xla reference ignores the hint, so the
+    calls are recorded at trace time."""
+    import pallas_kernels
+
+    seen = []
+    reference = pallas_kernels.ragged_paged_attention_reference
+
+    def recording(*args, **kwargs):
+        seen.append((args[0].shape[0], kwargs.get("max_q_len")))
+        return reference(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_reference", recording)
+    config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False)
+    make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
+    # Layers run under a scan: each compiled step traces the attention once. (4, 4) is both a decode
+    # bucket and a token bucket: compiled once as each.
+    assert sorted(set(seen), key=str) == sorted({(2, 1), (4, 1), (4, None), (16, None)}, key=str)
