@@ -171,10 +171,10 @@ def _prompt_logprobs(
     def one_slice(args):
         h, t = args
         logits = family.compute_logits(weights, h, cfg).astype(jnp.float32)
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(logprobs, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
-        ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+        target = jnp.maximum(t, 0)
+        chosen, top_logprobs, top_ids = compute_logprobs(logits, target, num_top)
+        target_logit = jnp.take_along_axis(logits, target[:, None], axis=-1)
+        ranks = 1 + jnp.sum(logits > target_logit, axis=-1, dtype=jnp.int32)
         valid = t >= 0
         return jnp.where(valid, chosen, 0.0), jnp.where(valid, ranks, 0), top_logprobs, top_ids.astype(jnp.int32)
 
