@@ -12,6 +12,7 @@ the output and also writes the padding tokens' zero rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .ragged_attention import AttentionRefs, exp2_scale, scores
+from .ragged_attention import AttentionRefs, exp2, exp2_scale, scores
 
 LOG2E = math.log2(math.e)
 
@@ -48,6 +49,7 @@ class DecodeParams:
     soft_cap: float | None
     num_tokens: int  # T
     decode_only: bool  # no mixed launch before this one: also zero the padding tokens' rows
+    approx_exp2: bool = False  # set for GPU launches: see ragged_attention.exp2
 
     @property
     def group_padded(self) -> int:
@@ -93,8 +95,8 @@ def _decode_step(t, carry, *, q, seq, h, lo_key, kv_len, bt_ref, k_ref, v_ref, p
     s = jnp.where(visible[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2((m_i - m_safe) * c)
-    prob = jnp.exp2(s * c - (m_safe * c)[:, None])
+    alpha = exp2((m_i - m_safe) * c, p.approx_exp2)
+    prob = exp2(s * c - (m_safe * c)[:, None], p.approx_exp2)
     l_i = l_i * alpha + jnp.sum(prob, axis=1)
     pv = lax.dot_general(
         prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
@@ -229,6 +231,7 @@ def decode_attention(
     """Write the output rows of every one-token sequence into `out` (aliased, in place); with
     `p.decode_only`, `out` is None and the launch creates the output, padding rows zeroed."""
     max_seqs, num_kv_heads = block_table.shape[0], k_cache.shape[2]
+    p = dataclasses.replace(p, approx_exp2=not interpret)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     grid = (max_seqs, num_kv_heads, p.num_splits)
     args = (q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)

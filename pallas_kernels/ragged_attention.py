@@ -10,6 +10,7 @@ block table, so tiles need not align with KV blocks. Zero tiles write the paddin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class MixedParams:
     sliding_window: int | None
     soft_cap: float | None
     skip_single: bool  # leave sequences of one query token to the decode kernel
+    approx_exp2: bool = False  # set for GPU launches: see `exp2`
 
     @property
     def block_q(self) -> int:
@@ -112,13 +114,30 @@ def _tile_step(t, carry, *, q, seq, h, kv_len, qpos, bt_ref, k_ref, v_ref, p: Mi
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     # A row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-    alpha = jnp.exp2((m_i - m_safe) * c)
-    prob = jnp.exp2(s * c - (m_safe * c)[:, None])  # one fused multiply-add per score
+    alpha = exp2((m_i - m_safe) * c, p.approx_exp2)
+    prob = exp2(s * c - (m_safe * c)[:, None], p.approx_exp2)  # one fused multiply-add per score
     l_i = l_i * alpha + jnp.sum(prob, axis=1)
     pv = lax.dot_general(
         prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
     )
     return acc * alpha[:, None] + pv, m_new, l_i
+
+
+def exp2(x: jax.Array, approx: bool) -> jax.Array:
+    """2**x of a float32 tile. approx (GPU launches): the PTX instruction ex2.approx.ftz.f32 alone (one
+    special-function op, ~2 ulp, subnormal results flushed to 0, exp2(-inf) = 0). jnp.exp2 lowers to
+    libdevice's __nv_exp2f, which wraps the same instruction in subnormal range handling: several more
+    instructions per score in the softmax. Interpret mode (CPU) has no PTX and uses jnp.exp2."""
+    if not approx:
+        return jnp.exp2(x)
+    [y] = plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;",
+        args=[x],
+        constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
+    return y
 
 
 def exp2_scale(sm_scale: float, soft_cap: float | None) -> float:
@@ -247,6 +266,7 @@ def mixed_attention(
 ) -> jax.Array:
     """Launch grid (query tiles + zero tiles, kv heads); returns [T, H, Dh] with every row written except
     those of one-token sequences when `p.skip_single` (the decode kernel writes those in place)."""
+    p = dataclasses.replace(p, approx_exp2=not interpret)
     return pl.pallas_call(
         functools.partial(_mixed_kernel, p=p),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

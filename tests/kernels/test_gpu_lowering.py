@@ -44,6 +44,22 @@ def test_dots_do_not_use_tf32(dtype, decode, capsys, monkeypatch):
     assert re.findall(r"inputPrecision = (\w+)", ir) == []  # IEEE is the default and not printed
 
 
+def _functions(ir: str) -> dict[str, str]:
+    """Each kernel's Triton IR by its name (the text from its `tt.func` to the next one)."""
+    parts = re.split(r"tt.func public @ragged_paged_attention_(\w+)", ir)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+def test_softmax_uses_the_exp2_instruction(decode, capsys, monkeypatch):
+    """The attention kernels' softmax exponentials are ex2.approx.ftz.f32 itself, not libdevice's exp2f."""
+    functions = _functions(lowered_triton_ir(jnp.bfloat16, capsys, monkeypatch, decode=decode, num_splits=1))
+    assert set(functions) == {"mixed", "decode"}
+    for name, body in functions.items():
+        assert body.count("ex2.approx.ftz.f32") >= 2, name
+        assert "__nv_exp2f" not in body, name
+
+
 @pytest.mark.parametrize(
     "options",
     [
