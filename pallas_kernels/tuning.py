@@ -89,6 +89,7 @@ DECODE_TABLE: dict[tuple[int, int, int], DecodeTiling] = {
     (128, 128, 1024): DecodeTiling(num_splits=4, block_n=64, num_warps=4, num_stages=2),
     (128, 512, 1024): DecodeTiling(num_splits=1, block_n=64, num_warps=4, num_stages=3),
     (128, 2048, 4096): DecodeTiling(num_splits=1, block_n=128, num_warps=4, num_stages=3),
+    (128, 2048, 16384): DecodeTiling(num_splits=1, block_n=128, num_warps=4, num_stages=3),
 }
 
 MIXED_KEYS = {"block_m": "block_m", "block_n": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
