@@ -53,9 +53,34 @@ for ctx, split_counts in ((1024, (1, 2, 4)), (4096, (4, 8, 16)), (16384, (16, 32
     for n in split_counts:
         _add(f"sweep decode 1x{ctx} splits {n}", "ours", [(1, ctx - 1)], max_q_len=1, num_splits=n)
 _add("sweep decode 16x16384 splits 8", "ours", [(1, 16383)] * 16, max_q_len=1, num_splits=8)
-for stages in (2, 3):
-    tiling = dict(block_m=128, block_n=64, num_warps=4, num_stages=stages)
-    _add(f"sweep prefill 1 x 8192 stages {stages}", "ours", [(8192, 0)], **tiling)
+# Key tile 128 (the 256 x 4096 table entry's) where the heuristic takes 64, and a deeper pipeline.
+for b, ctx, splits in ((16, 4096, 4), (16, 16384, 4), (64, 4096, 1), (64, 16384, 1), (256, 1024, 1), (256, 16384, 1)):
+    for block_n, stages in ((64, 3), (128, 3), (128, 4)):
+        tiling = dict(num_splits=splits, decode_block_n=block_n, decode_num_stages=stages)
+        _add(
+            f"sweep decode {b}x{ctx} block_n {block_n} stages {stages}",
+            "ours",
+            [(1, ctx - 1)] * b,
+            max_q_len=1,
+            **tiling,
+        )
+# Prefill tilings (block_m, block_n, num_warps, num_stages) for the 8192-token causal prompt.
+for bm, bn, warps, stages in (
+    (128, 64, 4, 2),
+    (128, 64, 4, 3),
+    (128, 64, 4, 4),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+    (128, 128, 4, 2),
+    (64, 64, 4, 3),
+    (64, 128, 4, 3),
+    (256, 64, 8, 3),
+    (128, 32, 4, 3),
+    (256, 128, 8, 2),
+):
+    tiling = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+    _add(f"sweep prefill 1 x 8192 tiling {bm},{bn},{warps},{stages}", "ours", [(8192, 0)], **tiling)
 _add("mixed 4x512 + 128x2048", "ours", [(512, 0)] * 4 + [(1, 2047)] * 128)
 _add("mixed part: prefill 4x512", "ours", [(512, 0)] * 4)
 _add("mixed part: decode 128x2048", "ours", [(1, 2047)] * 128)
@@ -100,15 +125,15 @@ def _case_fn(kind: str, seqs, options):
     return ours(**options), batch.args
 
 
-def _selected(name: str, only: list[str] | None) -> bool:
-    return only is None or any(o in name for o in only)
+def _selected(name: str, only: list[str] | None, skip: list[str] | None = None) -> bool:
+    return (only is None or any(o in name for o in only)) and not (skip and any(k in name for k in skip))
 
 
-def run_ncu(reps: int, only: list[str] | None) -> None:
+def run_ncu(reps: int, only: list[str] | None, skip: list[str] | None) -> None:
     import jax
 
     for i, (name, kind, seqs, options) in enumerate(CASES):
-        if not _selected(name, only):
+        if not _selected(name, only, skip):
             continue
         try:
             fn, sets = _case_fn(kind, seqs, options)
@@ -124,16 +149,21 @@ def run_ncu(reps: int, only: list[str] | None) -> None:
             print(f"case {i}: {name} FAILED {e!r}"[:400], file=sys.stderr, flush=True)
 
 
-def run_time(only: list[str] | None) -> None:
-    from attention import time_calls
+def run_time(only: list[str] | None, skip: list[str] | None) -> None:
+    """Wall time per call; for our kernels also the error against the jnp reference (‖out − ref‖ / ‖ref‖)."""
+    import jax
+    from attention import reference, rel_err, time_calls
 
     for name, kind, seqs, options in CASES:
-        if not _selected(name, only):
+        if not _selected(name, only, skip):
             continue
         try:
             fn, sets = _case_fn(kind, seqs, options)
+            err = ""
+            if kind == "ours":
+                err = f"  err {rel_err(jax.jit(fn)(*sets[0]), jax.jit(reference)(*sets[0])):.1e}"
             t = time_calls(fn, sets, 10)
-            print(f"{name:44s} wall {t * 1e6:9.1f} us/call{_rate(name, t * 1e6)}", flush=True)
+            print(f"{name:44s} wall {t * 1e6:9.1f} us/call{_rate(name, t * 1e6)}{err}", flush=True)
         except Exception as e:
             print(f"{name:44s} FAILED {e!r}"[:300], flush=True)
 
@@ -168,8 +198,10 @@ def summarize(path: str) -> None:
             continue
         case = int(name.split("mark_start_")[1].split("_")[0].split("(")[0])
         j = next(k for k in range(i + 1, len(rows)) if "mark_end_" in rows[k][0])
-        # The marker's own input (a broadcast) lands inside the segment: drop it.
-        kernels = [k for k in rows[i + 1 : j] if not k[0].startswith("wrapped_broadcast")]
+        # The end marker's own input (a broadcast) lands inside the segment, last: drop it.
+        kernels = rows[i + 1 : j]
+        if kernels and kernels[-1][0].startswith("wrapped_broadcast"):
+            kernels = kernels[:-1]
         reps = 0
         by_pos: dict[int, list[float]] = defaultdict(list)
         per_call = None
@@ -195,15 +227,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--summarize", default=None, help="an ncu --csv file of an --mode ncu run")
     parser.add_argument("--only", default=None, help="comma-separated substrings: run the cases whose name has one")
+    parser.add_argument(
+        "--skip", default=None, help="comma-separated substrings: leave out the cases whose name has one"
+    )
     args = parser.parse_args()
     if args.summarize:
         summarize(args.summarize)
         return
     only = args.only.split(",") if args.only else None
+    skip = args.skip.split(",") if args.skip else None
     if args.mode == "ncu":
-        run_ncu(args.reps, only)
+        run_ncu(args.reps, only, skip)
     else:
-        run_time(only)
+        run_time(only, skip)
 
 
 if __name__ == "__main__":
