@@ -147,43 +147,46 @@ COMBINE_CHUNK = 64
 def _combine_kernel(o_part_ref, lse_ref, cu_ref, kv_lens_ref, ns_ref, *outs, p: DecodeParams):
     """Merge the splits of one (sequence, query head) by their log2-sum-exp weights.
 
-    One load reads every split's lse, one 2-D load per COMBINE_CHUNK splits their partial outputs, so the
-    splits are read in parallel: the time does not grow with the split count the way a loop over
-    splits does (one memory round trip each: 31 us for 64 splits, docs/kernel_notes.md).
+    Up to COMBINE_CHUNK splits the program is straight-line: one load of every split's lse and one 2-D
+    load of their partial outputs, issued together with the sequence's scalars, so it pays one memory
+    round trip before its store (the split kernel writes every row's partials, zeros and -inf for rows
+    that are not its own, so nothing waits on `live`; a loop over splits costs one round trip per
+    split: 31 us for 64 splits, docs/kernel_notes.md). More splits run chunks with an online rescale.
     """
     o_ref = outs[-1]
     b, head = pl.program_id(0), pl.program_id(1)
-    q_start, _, live = _sequence(b, cu_ref, kv_lens_ref, ns_ref)
     d = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
     dmask = (d < p.head_dim) if p.head_dim_padded != p.head_dim else None  # [Dh]: the stores are 1-D
+    chunk = min(COMBINE_CHUNK, p.num_splits)
+    part_mask = None if dmask is None else jnp.broadcast_to(dmask[None, :], (chunk, p.head_dim_padded))
+
+    def merge(i, carry):
+        acc, m, den = carry
+        split = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        lse = plgpu.load(lse_ref.at[b, split, head])
+        other = None if part_mask is None else 0.0
+        part = plgpu.load(o_part_ref.at[b, split[:, None], head, d[None, :]], mask=part_mask, other=other)
+        m_new = jnp.maximum(m, jnp.max(lse))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        w = exp2(lse - m_safe, p.approx_exp2)
+        return acc * alpha + jnp.sum(w[:, None] * part, axis=0), m_new, den * alpha + jnp.sum(w)
+
+    carry = (jnp.zeros((p.head_dim_padded,), jnp.float32), jnp.float32(-jnp.inf), jnp.float32(0.0))
+    if p.num_splits == chunk:
+        acc, _, den = merge(0, carry)
+    else:
+        acc, _, den = lax.fori_loop(0, p.num_splits // chunk, merge, carry)
+    q_start, _, live = _sequence(b, cu_ref, kv_lens_ref, ns_ref)
+    out = acc / jnp.where(den > 0, den, 1.0)
+    plgpu.store(o_ref.at[q_start, head, d], out.astype(o_ref.dtype), mask=_and(jnp.full(d.shape, live), dmask))
     if p.decode_only:
         # Decode-only launches own the output: token row b is padding from cu_q_lens[num_seqs] on
         # (see _zero_padding_row).
         pad = (b >= cu_ref[ns_ref[0]]) & (b < p.num_tokens)
         row = jnp.minimum(b, p.num_tokens)
         zeros = jnp.zeros((p.head_dim_padded,), o_ref.dtype)
-        pad_mask = jnp.full((p.head_dim_padded,), pad)
-        plgpu.store(o_ref.at[row, head, d], zeros, mask=_and(pad_mask, dmask))
-
-    @pl.when(live)
-    def _():
-        lse_all = plgpu.load(lse_ref.at[b, jnp.arange(p.num_splits, dtype=jnp.int32), head])
-        m = jnp.max(lse_all)
-        m = jnp.where(m == -jnp.inf, 0.0, m)
-        den = jnp.sum(jnp.exp2(lse_all - m))
-        chunk = min(COMBINE_CHUNK, p.num_splits)
-
-        def merge(i, acc):
-            split = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            w = jnp.exp2(plgpu.load(lse_ref.at[b, split, head]) - m)
-            part_mask = None if dmask is None else dmask[None, :]
-            other = None if part_mask is None else 0.0
-            part = plgpu.load(o_part_ref.at[b, split[:, None], head, d[None, :]], mask=part_mask, other=other)
-            return acc + jnp.sum(w[:, None] * part, axis=0)
-
-        acc = lax.fori_loop(0, p.num_splits // chunk, merge, jnp.zeros((p.head_dim_padded,), jnp.float32))
-        out = acc / jnp.where(den > 0, den, 1.0)
-        plgpu.store(o_ref.at[q_start, head, d], out.astype(o_ref.dtype), mask=dmask)
+        plgpu.store(o_ref.at[row, head, d], zeros, mask=_and(jnp.full(d.shape, pad), dmask))
 
 
 def _zero_padding_row(o_ref, b, head, row_ok, cu_ref, ns_ref, p: DecodeParams) -> None:
