@@ -53,6 +53,23 @@ for ctx, split_counts in ((1024, (1, 2, 4)), (4096, (4, 8, 16)), (16384, (16, 32
     for n in split_counts:
         _add(f"sweep decode 1x{ctx} splits {n}", "ours", [(1, ctx - 1)], max_q_len=1, num_splits=n)
 _add("sweep decode 16x16384 splits 8", "ours", [(1, 16383)] * 16, max_q_len=1, num_splits=8)
+# Small batches: one key tile per split (more splits) against two (the heuristic's floor).
+for b, ctx, tilings in (
+    (1, 1024, ((16, 64), (8, 128), (32, 32))),
+    (1, 4096, ((64, 64), (32, 128))),
+    (1, 16384, ((128, 64), (64, 128), (128, 128))),
+    (16, 1024, ((8, 64), (4, 128), (16, 64))),
+    (16, 4096, ((8, 64), (16, 64))),
+):
+    for n, bn in tilings:
+        _add(
+            f"sweep decode {b}x{ctx} splits {n} block_n {bn}",
+            "ours",
+            [(1, ctx - 1)] * b,
+            max_q_len=1,
+            num_splits=n,
+            decode_block_n=bn,
+        )
 # Key tile 128 (the 256 x 4096 table entry's) where the heuristic takes 64, and a deeper pipeline.
 for b, ctx, splits in ((16, 4096, 4), (16, 16384, 4), (64, 4096, 1), (64, 16384, 1), (256, 1024, 1), (256, 16384, 1)):
     for block_n, stages in ((64, 3), (128, 3), (128, 4)):
