@@ -70,6 +70,9 @@ for b, ctx, tilings in (
             num_splits=n,
             decode_block_n=bn,
         )
+# One-tile splits with page ids read through the loop, after kv_len (the default reads them at once).
+for b, ctx in ((1, 1024), (1, 4096), (1, 16384)):
+    _add(f"sweep decode {b}x{ctx} eager pages off", "ours", [(1, ctx - 1)] * b, max_q_len=1, decode_eager_pages=False)
 # Key tile 128 (the 256 x 4096 table entry's) where the heuristic takes 64, and a deeper pipeline.
 for b, ctx, splits in ((16, 4096, 4), (16, 16384, 4), (64, 4096, 1), (64, 16384, 1), (256, 1024, 1), (256, 16384, 1)):
     for block_n, stages in ((64, 3), (128, 3), (128, 4)):

@@ -88,6 +88,8 @@ def make_plan(
         num_splits=dt.num_splits,
         num_tokens=shapes.num_tokens,
         decode_only=decode_only,
+        context=context,
+        eager_tiles=bool(dt.eager_pages),
         **common,
     )
     return AttentionPlan(None if decode_only else mixed, mt, decode, dt)
@@ -136,8 +138,8 @@ def ragged_paged_attention(
     the rows of a longer sequence are then left unwritten.
 
     tuning: block_m, block_n, num_warps, num_stages (mixed kernel); num_splits, decode_block_n,
-    decode_num_warps, decode_num_stages (decode kernel); decode_kernel=False sends one-token sequences
-    through the mixed kernel too. Unset fields come from the tuning tables.
+    decode_num_warps, decode_num_stages, decode_eager_pages (decode kernel); decode_kernel=False sends
+    one-token sequences through the mixed kernel too. Unset fields come from the tuning tables.
     """
     check_tuning_keys(tuning)
     check_options(sm_scale, sliding_window, soft_cap)

@@ -49,7 +49,14 @@ class DecodeParams:
     soft_cap: float | None
     num_tokens: int  # T
     decode_only: bool  # no mixed launch before this one: also zero the padding tokens' rows
+    context: int  # the block table's width in tokens (M * block_size)
+    eager_tiles: bool = True  # allow `eager_pages` (a tuning switch, for measuring it)
     approx_exp2: bool = False  # set for GPU launches: see ragged_attention.exp2
+
+    @property
+    def eager_pages(self) -> bool:
+        """Every split holds at most one key tile, at a position kv_len does not move (no window)."""
+        return self.eager_tiles and self.sliding_window is None and self.num_splits * self.block_n >= self.context
 
     @property
     def group_padded(self) -> int:
@@ -81,11 +88,17 @@ def _heads(h, p: DecodeParams):
 
 
 def _decode_step(t, carry, *, q, seq, h, lo_key, kv_len, bt_ref, k_ref, v_ref, p: DecodeParams):
-    acc, m_i, l_i = carry
-    d, dmask = _dims(p)
+    """Key tile t: its page ids through the block table, then the tile (`_decode_tile`)."""
     j = t * p.block_n + jnp.arange(p.block_n, dtype=jnp.int32)
     visible = (j < kv_len) & (j >= lo_key)
     page = plgpu.load(bt_ref.at[seq, lax.div(j, p.block_size)], mask=visible, other=0)
+    return _decode_tile(j, page, visible, carry, q=q, h=h, k_ref=k_ref, v_ref=v_ref, p=p)
+
+
+def _decode_tile(j, page, visible, carry, *, q, h, k_ref, v_ref, p: DecodeParams):
+    """One key tile (keys j, their pages) of the online softmax of the group's query rows."""
+    acc, m_i, l_i = carry
+    d, dmask = _dims(p)
     idx = (page[:, None], lax.rem(j, p.block_size)[:, None], h, d[None, :])
     kv_mask = _and(visible[:, None], dmask)
     k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=0.0)
@@ -127,7 +140,16 @@ def decode_split(r: AttentionRefs, parts: tuple | None, b, h, split, p: DecodePa
         jnp.full((p.group_padded,), -jnp.inf, jnp.float32),
         jnp.zeros((p.group_padded,), jnp.float32),
     )
-    acc, m_i, l_i = lax.fori_loop(start, stop, step, carry)
+    if p.eager_pages:
+        # One key tile per split, no window: split s reads tile s, whatever kv_len is (the even division
+        # above gives the same), so its page ids load without waiting for kv_len: one memory round trip
+        # fewer before the K/V loads.
+        j = split * p.block_n + jnp.arange(p.block_n, dtype=jnp.int32)
+        page = plgpu.load(r.block_table.at[b, lax.div(j, p.block_size)], mask=j < p.context, other=0)
+        tile = dict(q=q, h=h, k_ref=r.k_cache, v_ref=r.v_cache, p=p)
+        acc, m_i, l_i = _decode_tile(j, page, j < hi_key, carry, **tile)
+    else:
+        acc, m_i, l_i = lax.fori_loop(start, stop, step, carry)
     out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
     if parts is None:
         plgpu.store(r.out.at[q_start, head[:, None], d[None, :]], out.astype(r.out.dtype), mask=mask)

@@ -61,6 +61,7 @@ class DecodeTiling:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    eager_pages: bool = True  # one-tile splits read their page ids before kv_len arrives (see DecodeParams)
 
     def __post_init__(self) -> None:
         _check_pow2("num_splits", self.num_splits, 1, 256)
@@ -98,6 +99,7 @@ DECODE_KEYS = {
     "decode_block_n": "block_n",
     "decode_num_warps": "num_warps",
     "decode_num_stages": "num_stages",
+    "decode_eager_pages": "eager_pages",
 }
 SWITCH_KEYS = ("decode_kernel",)
 TUNING_KEYS = tuple(MIXED_KEYS) + tuple(DECODE_KEYS) + SWITCH_KEYS

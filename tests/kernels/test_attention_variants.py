@@ -41,7 +41,9 @@ def test_window_and_soft_cap(sliding_window, soft_cap, paged_batch, numpy_attent
         dict(num_splits=2, decode_block_n=64),
         dict(num_splits=8, decode_block_n=32),
         dict(num_splits=16, decode_block_n=16),  # two rounds of the combine loop
-        dict(num_splits=32, decode_block_n=16),  # more splits than some sequences have tiles
+        dict(num_splits=32, decode_block_n=16),  # more splits than some sequences have tiles: one-tile splits
+        dict(num_splits=32, decode_block_n=16, decode_eager_pages=False),  # the same through the loop
+        dict(num_splits=4, decode_block_n=128),  # one wide tile per split
     ],
 )
 @pytest.mark.parametrize("max_q_len", [None, 1])
@@ -96,3 +98,20 @@ def test_no_sequences_gives_zeros(paged_batch):
     batch.num_seqs = 0
     out = np.asarray(pk.ragged_paged_attention(*batch.args(), sm_scale=SCALE, interpret=True))
     assert (out == 0).all()
+
+
+def test_eager_pages_needs_one_tile_per_split_and_no_window():
+    """Splits read their page ids before kv_len only where the tile of split s cannot depend on kv_len."""
+    from pallas_kernels.decode_attention import DecodeParams
+
+    base = dict(group=4, head_dim=64, head_dim_padded=64, block_size=16, num_heads=8, sm_scale=0.1)
+    base |= dict(soft_cap=None, num_tokens=4, decode_only=True, context=1024)
+
+    def eager(num_splits, block_n, window=None, switch=True):
+        p = DecodeParams(num_splits=num_splits, block_n=block_n, sliding_window=window, eager_tiles=switch, **base)
+        return p.eager_pages
+
+    assert eager(16, 64) and eager(8, 128) and eager(64, 64) and eager(1, 1024)
+    assert not eager(8, 64)  # two tiles per split: where they start depends on kv_len
+    assert not eager(16, 64, window=100)  # the first visible tile depends on kv_len
+    assert not eager(16, 64, switch=False)

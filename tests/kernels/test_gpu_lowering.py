@@ -69,6 +69,8 @@ def test_softmax_uses_the_exp2_instruction(decode, capsys, monkeypatch):
         dict(num_splits=4, soft_cap=5.0, sliding_window=8),
         dict(num_splits=8, max_q_len=1, head_dim=80),  # head_dim padded to 128: masked loads and stores
         dict(num_splits=1, max_q_len=1, head_dim=80),
+        dict(num_splits=2, decode_block_n=16, max_q_len=1),  # two key tiles per split: the loop path
+        dict(num_splits=2, decode_block_n=16),
     ],
 )
 def test_decode_launches_lower_for_cuda(options, capsys, monkeypatch):
