@@ -3,7 +3,9 @@
 Grid (B, K, num_splits): a program reads one share of one sequence's keys for one kv head, with all
 query heads of that kv head in one tile (the group padded to the 16-row minimum of a matrix-unit dot),
 so every K/V block is read once per kv head. Each sequence's key tiles are divided evenly among its
-num_splits programs, so a short sequence in a batch sized for long ones gets short splits. With one
+num_splits programs, so a short sequence in a batch sized for long ones gets short splits. When every
+split holds at most one key tile (and there is no window), split s reads tile s and loads its page ids
+without waiting for kv_len (`DecodeParams.eager_pages`). With one
 split the program normalises and writes its output rows directly; otherwise it writes per-split partial
 outputs and log2-sum-exp values that `_combine_kernel` (grid (B, H)) merges into the output rows, in
 place on `out`. In a decode-only launch (`max_q_len=1`) there is no `out` yet: the last launch creates
