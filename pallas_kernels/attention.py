@@ -89,7 +89,7 @@ def make_plan(
         num_tokens=shapes.num_tokens,
         decode_only=decode_only,
         context=context,
-        eager_tiles=bool(dt.eager_pages),
+        allow_eager_pages=bool(dt.eager_pages),
         **common,
     )
     return AttentionPlan(None if decode_only else mixed, mt, decode, dt)

@@ -5,11 +5,11 @@ query heads of that kv head in one tile (the group padded to the 16-row minimum 
 so every K/V block is read once per kv head. Each sequence's key tiles are divided evenly among its
 num_splits programs, so a short sequence in a batch sized for long ones gets short splits. When every
 split holds at most one key tile (and there is no window), split s reads tile s and loads its page ids
-without waiting for kv_len (`DecodeParams.eager_pages`). With one
-split the program normalises and writes its output rows directly; otherwise it writes per-split partial
-outputs and log2-sum-exp values that `_combine_kernel` (grid (B, H)) merges into the output rows, in
-place on `out`. In a decode-only launch (`max_q_len=1`) there is no `out` yet: the last launch creates
-the output and also writes the padding tokens' zero rows.
+without waiting for kv_len (`DecodeParams.eager_pages`). With one split the program normalises and
+writes its output rows directly; otherwise it writes per-split partial outputs and log2-sum-exp values
+that `_combine_kernel` (grid (B, H)) merges into the output rows, in place on `out`. In a decode-only
+launch (`max_q_len=1`) there is no `out` yet: the last launch creates the output and also writes the
+padding tokens' zero rows.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ class DecodeParams:
     num_tokens: int  # T
     decode_only: bool  # no mixed launch before this one: also zero the padding tokens' rows
     context: int  # the block table's width in tokens (M * block_size)
-    eager_tiles: bool = True  # allow `eager_pages` (a tuning switch, for measuring it)
+    allow_eager_pages: bool = True  # a tuning switch (decode_eager_pages), for measuring `eager_pages`
     approx_exp2: bool = False  # set for GPU launches: see ragged_attention.exp2
 
     @property
     def eager_pages(self) -> bool:
         """Every split holds at most one key tile, at a position kv_len does not move (no window)."""
-        return self.eager_tiles and self.sliding_window is None and self.num_splits * self.block_n >= self.context
+        return self.allow_eager_pages and self.sliding_window is None and self.num_splits * self.block_n >= self.context
 
     @property
     def group_padded(self) -> int:
@@ -124,33 +124,32 @@ def decode_split(r: AttentionRefs, parts: tuple | None, b, h, split, p: DecodePa
     q_start, kv_len, live = _sequence(b, r.cu_q_lens, r.kv_lens, r.num_seqs)
     # Sequences that are not ours, and padding ones (kv_len 0), run no key tile.
     hi_key = jnp.where(live, kv_len, 0)
-    lo_key = 0 if p.sliding_window is None else jnp.maximum(hi_key - p.sliding_window, 0)
-    first = lax.div(lo_key, p.block_n)
-    last = lax.div(hi_key + p.block_n - 1, p.block_n)
-    per_split = lax.div(jnp.maximum(last - first, 0) + p.num_splits - 1, p.num_splits)
-    start = first + split * per_split
-    stop = jnp.minimum(start + per_split, last)
-
     d, dmask = _dims(p)
     head, row_ok = _heads(h, p)
     mask = _and((row_ok & live)[:, None], dmask)
     q = plgpu.load(r.q.at[q_start, head[:, None], d[None, :]], mask=mask, other=0.0)
-    refs = dict(bt_ref=r.block_table, k_ref=r.k_cache, v_ref=r.v_cache)
-    step = functools.partial(_decode_step, q=q, seq=b, h=h, lo_key=lo_key, kv_len=kv_len, p=p, **refs)
     carry = (
         jnp.zeros((p.group_padded, p.head_dim_padded), jnp.float32),
         jnp.full((p.group_padded,), -jnp.inf, jnp.float32),
         jnp.zeros((p.group_padded,), jnp.float32),
     )
     if p.eager_pages:
-        # One key tile per split, no window: split s reads tile s, whatever kv_len is (the even division
-        # above gives the same), so its page ids load without waiting for kv_len: one memory round trip
+        # One key tile per split, no window: split s reads tile s whatever kv_len is (the even division
+        # below gives the same), so its page ids load without waiting for kv_len: one memory round trip
         # fewer before the K/V loads.
         j = split * p.block_n + jnp.arange(p.block_n, dtype=jnp.int32)
         page = plgpu.load(r.block_table.at[b, lax.div(j, p.block_size)], mask=j < p.context, other=0)
         tile = dict(q=q, h=h, k_ref=r.k_cache, v_ref=r.v_cache, p=p)
         acc, m_i, l_i = _decode_tile(j, page, j < hi_key, carry, **tile)
     else:
+        lo_key = 0 if p.sliding_window is None else jnp.maximum(hi_key - p.sliding_window, 0)
+        first = lax.div(lo_key, p.block_n)
+        last = lax.div(hi_key + p.block_n - 1, p.block_n)
+        per_split = lax.div(jnp.maximum(last - first, 0) + p.num_splits - 1, p.num_splits)
+        start = first + split * per_split
+        stop = jnp.minimum(start + per_split, last)
+        refs = dict(bt_ref=r.block_table, k_ref=r.k_cache, v_ref=r.v_cache)
+        step = functools.partial(_decode_step, q=q, seq=b, h=h, lo_key=lo_key, kv_len=kv_len, p=p, **refs)
         acc, m_i, l_i = lax.fori_loop(start, stop, step, carry)
     out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
     if parts is None:

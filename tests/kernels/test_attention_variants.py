@@ -108,8 +108,8 @@ def test_eager_pages_needs_one_tile_per_split_and_no_window():
     base |= dict(soft_cap=None, num_tokens=4, decode_only=True, context=1024)
 
     def eager(num_splits, block_n, window=None, switch=True):
-        p = DecodeParams(num_splits=num_splits, block_n=block_n, sliding_window=window, eager_tiles=switch, **base)
-        return p.eager_pages
+        splits = dict(num_splits=num_splits, block_n=block_n)
+        return DecodeParams(**splits, sliding_window=window, allow_eager_pages=switch, **base).eager_pages
 
     assert eager(16, 64) and eager(8, 128) and eager(64, 64) and eager(1, 1024)
     assert not eager(8, 64)  # two tiles per split: where they start depends on kv_len
