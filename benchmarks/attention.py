@@ -1,5 +1,7 @@
-"""Attention benchmark on one GPU: ceilings, decode, prefill, mixed batch and write_kv, each checked against
-the jnp reference in the same run. Produces the tables of docs/benchmarks.md (attention section).
+"""Attention benchmark on one GPU, by wall clock: ceilings, decode, prefill, mixed batch and write_kv, each
+checked against the jnp reference in the same run. The tables of docs/benchmarks.md now come from
+`attention_kernels.py` (device time per kernel under Nsight Compute, wall time and error beside it; run
+by `h200_attention.sh`), which builds its batches and the built-in op's call with this module.
 
     PYTHONUNBUFFERED=1 python benchmarks/attention.py [--sweep] [--quick] [--json PATH]
 
