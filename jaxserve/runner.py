@@ -107,8 +107,9 @@ def step_fn(
     backend: str,
     num_top_logprobs: int,
     max_q_len: int | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[StepOutput, PagedKVCache]:
-    """One engine step on the device (see the module docstring)."""
+    """One engine step on the device (see the module docstring); `mesh` when tensor-parallel."""
     token_ids = _gather_carried(inputs, previous_tokens)
     meta = PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,
@@ -118,6 +119,7 @@ def step_fn(
         num_seqs=inputs.num_seqs,
         backend=backend,
         max_q_len=max_q_len,
+        mesh=mesh,
     )
     hidden, kv_cache = family.forward(weights, token_ids, inputs.positions, kv_cache, meta, cfg)
     logits = family.compute_logits(weights, hidden[inputs.logits_indices], cfg)
@@ -226,10 +228,12 @@ class Runner:
     def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh | None = None, seed: int = 0) -> None:
         self.spec = spec
         self.mesh = mesh if mesh is not None else make_mesh(tp=1, devices=jax.devices()[:1])
-        if spec.backend == "pallas" and self.mesh.shape[MODEL_AXIS] > 1:
-            raise NotImplementedError(
-                "attention_backend='pallas' with tensor parallelism needs the kernels under shard_map, "
-                "which is not built yet; use attention_backend='xla' for tp > 1"
+        tp = self.mesh.shape[MODEL_AXIS]
+        if spec.backend == "pallas" and tp > 1 and (spec.cfg.num_kv_heads % tp or spec.cfg.num_heads % tp):
+            raise ValueError(
+                f"attention_backend='pallas' with tp={tp} runs the kernels per device on a share of the heads: "
+                f"num_kv_heads ({spec.cfg.num_kv_heads}) and num_heads ({spec.cfg.num_heads}) must be divisible "
+                "by tp; use a tp that divides them or attention_backend='xla'"
             )
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self.weights = shard_weights(weights, spec.family.param_specs(spec.cfg), self.mesh)
@@ -311,6 +315,7 @@ class Runner:
             backend=spec.backend,
             num_top_logprobs=spec.num_top_logprobs,
             max_q_len=1 if bucket.decode_only else None,
+            mesh=self.mesh if self.mesh.shape[MODEL_AXIS] > 1 else None,
         )
         jitted = jax.jit(fn, donate_argnums=(1,))  # argument 1 is the KV cache: updated in place
         args = self._abstract_args(bucket, penalties, self.num_blocks if num_blocks is None else num_blocks, prompt_lp)

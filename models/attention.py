@@ -22,9 +22,12 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
+from sharding.mesh import MODEL_AXIS
 
 
 class _CacheShape(Protocol):
@@ -65,7 +68,7 @@ class PagedKVCache:
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["slot_mapping", "block_table", "kv_lens", "cu_q_lens", "num_seqs"],
-    meta_fields=["backend", "max_q_len"],
+    meta_fields=["backend", "max_q_len", "mesh", "interpret"],
 )
 @dataclass(frozen=True, slots=True)
 class PagedAttentionMetadata:
@@ -74,6 +77,9 @@ class PagedAttentionMetadata:
     backend: "pallas" (the Triton kernels) or "xla" (their jnp references); static, so each
     compiled step is specialised to one.
     max_q_len: static bound on any sequence's query tokens when known (1: a decode-only step).
+    mesh: the device mesh when the model is tensor-parallel; the Pallas kernels then run per device
+        under shard_map on its share of the heads (the xla backend is partitioned by XLA itself).
+    interpret: run the Pallas kernels in interpret mode (a CPU has no Triton; tests).
     """
 
     slot_mapping: Int[Array, " T"]
@@ -83,6 +89,8 @@ class PagedAttentionMetadata:
     num_seqs: Int[Array, ""]
     backend: str = "xla"
     max_q_len: int | None = None
+    mesh: Mesh | None = None
+    interpret: bool = False
 
 
 def init_paged_cache(cfg: _CacheShape, num_blocks: int, block_size: int, dtype: jnp.dtype) -> PagedKVCache:
@@ -150,30 +158,39 @@ def paged_attention(
     the layer out. Positions are implied by kv_lens and cu_q_lens (the kernel's contract).
     """
     if meta.backend == "pallas":
-        write, attend = pallas_kernels.write_kv, pallas_kernels.ragged_paged_attention
+        write = partial(pallas_kernels.write_kv, interpret=meta.interpret)
+        attend = partial(pallas_kernels.ragged_paged_attention, interpret=meta.interpret)
     elif meta.backend == "xla":
         write, attend = pallas_kernels.write_kv_reference, pallas_kernels.ragged_paged_attention_reference
     else:
         raise ValueError(f"attention backend must be 'pallas' or 'xla', got {meta.backend!r}")
+
+    def write_and_attend(k_pool, v_pool, q, k, v, slots, block_table, kv_lens, cu_q_lens, num_seqs):
+        k_pool, v_pool = write(k_pool, v_pool, k, v, slots)
+        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, max_q_len=meta.max_q_len)
+        out = attend(q, k_pool, v_pool, block_table, kv_lens, cu_q_lens, num_seqs, **options)
+        return out, k_pool, v_pool
+
+    if meta.backend == "pallas" and meta.mesh is not None and meta.mesh.shape[MODEL_AXIS] > 1:
+        # Attention is independent per kv head: each device runs the kernels on its heads (q, k, v and
+        # the pool split on their head axes, the batch's tables replicated). Needs K % tp == 0, which
+        # keeps every device's query heads with their kv head (the runner checks it).
+        heads, pool, replicated = P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS, None), P()
+        write_and_attend = jax.shard_map(
+            write_and_attend,
+            mesh=meta.mesh,
+            in_specs=(pool, pool, heads, heads, heads, *[replicated] * 5),
+            out_specs=(heads, pool, pool),
+            check_vma=False,
+        )
     num_layers, num_blocks, block_size = kv_cache.k.shape[:3]
     pool_shape = (num_layers * num_blocks, *kv_cache.k.shape[2:])
     offset = layer * num_blocks
     dtype = kv_cache.k.dtype
     k_pool, v_pool = kv_cache.k.reshape(pool_shape), kv_cache.v.reshape(pool_shape)
-    slots = meta.slot_mapping + offset * block_size
-    k_pool, v_pool = write(k_pool, v_pool, k.astype(dtype), v.astype(dtype), slots)
-    out = attend(
-        q.astype(dtype),
-        k_pool,
-        v_pool,
-        meta.block_table + offset,
-        meta.kv_lens,
-        meta.cu_q_lens,
-        meta.num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        max_q_len=meta.max_q_len,
-    )
+    tables = (meta.slot_mapping + offset * block_size, meta.block_table + offset, meta.kv_lens, meta.cu_q_lens)
+    new = (q.astype(dtype), k.astype(dtype), v.astype(dtype))
+    out, k_pool, v_pool = write_and_attend(k_pool, v_pool, *new, *tables, meta.num_seqs)
     cache = PagedKVCache(k=k_pool.reshape(kv_cache.k.shape), v=v_pool.reshape(kv_cache.v.shape))
     return out.astype(q.dtype), cache
 
