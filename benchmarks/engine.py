@@ -81,6 +81,9 @@ def main() -> None:
     parser.add_argument("--token-buckets", default=None, help="comma-separated token buckets (default: powers of 2)")
     parser.add_argument("--cache-dir", default=None, help="persistent compilation cache directory")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed generate; top functions to stderr")
+    parser.add_argument(
+        "--greedy-variants", action="store_true", help="compile all-greedy steps without conditionals (CompileConfig)"
+    )
     parser.add_argument("--save-tokens", default=None)
     parser.add_argument("--compare-tokens", default=None)
     args = parser.parse_args()
@@ -114,6 +117,7 @@ def main() -> None:
             token_buckets=sizes(args.token_buckets),
             cache_dir=args.cache_dir,
             penalty_variants=False,
+            greedy_variants=args.greedy_variants,
         ),
         attention_backend=args.backend,
         show_progress=False,

@@ -3,6 +3,7 @@
 #   bash benchmarks/h200_engine.sh llama8b   # ceilings, then the Llama-3.1-8B-shaped model (cold, then cached warmup)
 #   bash benchmarks/h200_engine.sh smollm2   # SmolLM2: pallas cold + cached warmup, then xla, token comparison
 #   bash benchmarks/h200_engine.sh dispatch  # which ops make the step call block the host (dispatch_sync.py)
+#   bash benchmarks/h200_engine.sh greedy    # 8B-shaped: general steps against greedy variants (no conditionals)
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,9 +29,15 @@ case "${1:-}" in
     run smollm2_pallas_cached 100 "${S[@]}" --backend pallas
     run smollm2_xla 200 "${S[@]}" --backend xla --compare-tokens "$OUT/pallas_tokens.npy"
     ;;
+  greedy)
+    G=(--model llama8b --backend pallas --max-seq-len 2048 --decode-sizes 64,128,256 --token-buckets 2048,8192)
+    G+=(--num-prompts 256 --prompt-len 128 --max-tokens 128)
+    run llama8b_general 280 "${G[@]}"
+    run llama8b_greedy 280 "${G[@]}" --greedy-variants
+    ;;
   dispatch)
     echo "== python benchmarks/dispatch_sync.py"
     timeout 300 python3 benchmarks/dispatch_sync.py | tee "$OUT/dispatch_sync.txt"
     ;;
-  *) echo "usage: $0 llama8b|smollm2|dispatch" >&2; exit 2 ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch|greedy" >&2; exit 2 ;;
 esac

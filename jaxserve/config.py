@@ -131,6 +131,12 @@ class CompileConfig:
     prompt_logprobs: also compile every token bucket with logprobs at every prompt position, which
         SamplingParams.prompt_logprobs needs (like TensorRT-LLM's gather_context_logits); without it such a
         request is refused.
+    greedy_variants: also compile every bucket as an all-greedy step (an argmax, no conditionals), used
+        for steps whose rows are all greedy without penalties or logprobs. The general step skips the
+        sampler's work with device-side conditionals, and on a GPU a conditional with real work makes
+        the step's call wait for the device (docs/benchmarks.md, third 8B run), so the host cannot
+        prepare the next step meanwhile; the greedy step's call returns at once. Costs one more compile
+        per bucket; off until a GPU run weighs the two.
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None
@@ -139,6 +145,7 @@ class CompileConfig:
     cache_dir: str | None = None
     penalty_variants: bool = True
     prompt_logprobs: bool = False
+    greedy_variants: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalising a field needs object.__setattr__.
@@ -152,6 +159,8 @@ class CompileConfig:
             raise ValueError(f"penalty_variants must be a bool, got {self.penalty_variants!r}")
         if not isinstance(self.prompt_logprobs, bool):
             raise ValueError(f"prompt_logprobs must be a bool, got {self.prompt_logprobs!r}")
+        if not isinstance(self.greedy_variants, bool):
+            raise ValueError(f"greedy_variants must be a bool, got {self.greedy_variants!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,6 +124,7 @@ class Engine:
             num_top_logprobs=MAX_LOGPROBS,
             penalty_variants=config.compile.penalty_variants,
             prompt_logprob_variants=config.compile.prompt_logprobs,
+            greedy_variants=config.compile.greedy_variants,
         )
         self.runner = Runner(spec, weights, mesh=mesh, seed=seed)
         self.kv_budget = self._size_kv_cache(cfg, dtype)
@@ -265,6 +266,14 @@ class Engine:
         if any(r.is_prefill and r.request.sampling_params.prompt_logprobs is not None for r in batch.rows):
             prompt_targets = make_prompt_targets(batch, inputs.bucket.num_tokens)
             row_offsets = inputs.cu_q_lens[: len(batch.rows)]
+        want_logprobs = any(r.request.sampling_params.logprobs is not None for r in batch.rows)
+        greedy = (
+            self.config.compile.greedy_variants
+            and history is None
+            and prompt_targets is None
+            and not want_logprobs
+            and all(r.request.sampling_params.is_greedy for r in batch.rows)
+        )
         dispatch_start = time.perf_counter()
         output = self.runner.run(
             inputs,
@@ -272,8 +281,9 @@ class Engine:
             carried_tokens(batch, previous, rows),
             self._banned_tokens(batch, rows),
             history,
-            want_logprobs=any(r.request.sampling_params.logprobs is not None for r in batch.rows),
+            want_logprobs=want_logprobs,
             prompt_targets=prompt_targets,
+            greedy=greedy,
         )
         stats = StepStats(
             num_tokens=batch.num_tokens,

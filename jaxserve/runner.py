@@ -108,8 +108,13 @@ def step_fn(
     num_top_logprobs: int,
     max_q_len: int | None = None,
     mesh: Mesh | None = None,
+    greedy: bool = False,
 ) -> tuple[StepOutput, PagedKVCache]:
-    """One engine step on the device (see the module docstring); `mesh` when tensor-parallel."""
+    """One engine step on the device (see the module docstring); `mesh` when tensor-parallel.
+
+    greedy (static): every row is greedy and none asks for top-N logprobs: an argmax step without
+    conditionals, whose call returns before the device runs it (a conditional blocks the host).
+    """
     token_ids = _gather_carried(inputs, previous_tokens)
     meta = PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,
@@ -137,18 +142,19 @@ def step_fn(
         key,
         token_history=token_history,
         num_prompt_tokens=num_prompt_tokens,
+        greedy_only=greedy,
     )
     padded = jnp.zeros_like(previous_tokens).at[: out.token_ids.shape[0]].set(out.token_ids)
     # top_k over the vocabulary costs 2.2 ms for 256 x 128256 on an H200 (an argmax 0.05 ms): it runs only
     # in steps where some row asked for logprobs, a branch decided on the device (which, like every XLA
-    # GPU conditional, makes the host wait for the device at this point; see sampler.sample).
-    ranks, top_logprobs, top_ids = jax.lax.cond(
-        inputs.want_logprobs,
-        partial(_logprob_details, num_top=num_top_logprobs),
-        partial(_no_logprob_details, num_top=num_top_logprobs),
-        logits,
-        out.token_ids,
-    )
+    # GPU conditional with real work, makes the host wait for the device at this point; see
+    # sampler.sample). The greedy variant has no such row.
+    with_details = partial(_logprob_details, num_top=num_top_logprobs)
+    without = partial(_no_logprob_details, num_top=num_top_logprobs)
+    if greedy:
+        ranks, top_logprobs, top_ids = without(logits, out.token_ids)
+    else:
+        ranks, top_logprobs, top_ids = jax.lax.cond(inputs.want_logprobs, with_details, without, logits, out.token_ids)
     output = StepOutput(padded, out.logprobs, ranks, top_logprobs, top_ids)
     if prompt_targets is not None:
         prompt = _prompt_logprobs(weights, hidden, prompt_targets, family=family, cfg=cfg, num_top=num_top_logprobs)
@@ -220,6 +226,7 @@ class RunnerSpec:
     num_top_logprobs: int
     penalty_variants: bool  # also compile each bucket with a token history for the penalties
     prompt_logprob_variants: bool = False  # also compile each token bucket with prompt logprobs
+    greedy_variants: bool = False  # also compile each bucket as an all-greedy step without conditionals
 
 
 class Runner:
@@ -241,8 +248,8 @@ class Runner:
         self.num_blocks = 0
         self._key = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
         self._previous = jax.device_put(np.zeros(spec.buckets.max_batch_size, np.int32), self._replicated)
-        # (bucket, penalties, prompt logprobs) -> the compiled step
-        self._compiled: dict[tuple[Bucket, bool, bool], jax.stages.Compiled] = {}
+        # (bucket, penalties, prompt logprobs, greedy) -> the compiled step
+        self._compiled: dict[tuple[Bucket, bool, bool, bool], jax.stages.Compiled] = {}
         self._step_count = 0
 
     # ---- memory ---------------------------------------------------------------------------------
@@ -304,7 +311,12 @@ class Runner:
         return (weights, PagedKVCache(cache_leaf, cache_leaf), inputs, sampling, previous, key, *history, targets)
 
     def compile_step(
-        self, bucket: Bucket, penalties: bool, num_blocks: int | None = None, prompt_lp: bool = False
+        self,
+        bucket: Bucket,
+        penalties: bool,
+        num_blocks: int | None = None,
+        prompt_lp: bool = False,
+        greedy: bool = False,
     ) -> jax.stages.Compiled:
         """Lowers and compiles the step for one bucket (not cached here: warmup stores the results)."""
         spec = self.spec
@@ -316,6 +328,7 @@ class Runner:
             num_top_logprobs=spec.num_top_logprobs,
             max_q_len=1 if bucket.decode_only else None,
             mesh=self.mesh if self.mesh.shape[MODEL_AXIS] > 1 else None,
+            greedy=greedy,
         )
         jitted = jax.jit(fn, donate_argnums=(1,))  # argument 1 is the KV cache: updated in place
         args = self._abstract_args(bucket, penalties, self.num_blocks if num_blocks is None else num_blocks, prompt_lp)
@@ -339,28 +352,34 @@ class Runner:
     def warmup(self, show_progress: bool = True) -> float:
         """Compiles every step variant ahead of time; returns the seconds taken.
 
-        Variants: every bucket with and without penalties (penalty_variants), and every token bucket with
-        prompt logprobs (prompt_logprob_variants).
+        Variants: every bucket with and without penalties (penalty_variants), every token bucket with
+        prompt logprobs (prompt_logprob_variants), and every bucket as an all-greedy step
+        (greedy_variants).
         """
         from tqdm.auto import tqdm
 
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache before warmup")
         variants = (False, True) if self.spec.penalty_variants else (False,)
-        shapes = [(b, p, False) for b in self.spec.buckets.buckets for p in variants]
+        buckets = self.spec.buckets.buckets
+        shapes = [(b, p, False, False) for b in buckets for p in variants]
         if self.spec.prompt_logprob_variants:
-            shapes += [(b, p, True) for b in self.spec.buckets.buckets if not b.decode_only for p in variants]
+            shapes += [(b, p, True, False) for b in buckets if not b.decode_only for p in variants]
+        if self.spec.greedy_variants:
+            shapes += [(b, False, False, True) for b in buckets]
         start = time.perf_counter()
-        for bucket, penalties, prompt_lp in tqdm(shapes, desc="compiling step buckets", disable=not show_progress):
+        for key in tqdm(shapes, desc="compiling step buckets", disable=not show_progress):
+            bucket, penalties, prompt_lp, greedy = key
             t0 = time.perf_counter()
-            self._compiled[(bucket, penalties, prompt_lp)] = self.compile_step(bucket, penalties, prompt_lp=prompt_lp)
+            self._compiled[key] = self.compile_step(bucket, penalties, prompt_lp=prompt_lp, greedy=greedy)
             logger.info(
-                "compiled T=%d B=%d%s penalties=%s prompt_logprobs=%s in %.2fs",
+                "compiled T=%d B=%d%s penalties=%s prompt_logprobs=%s greedy=%s in %.2fs",
                 bucket.num_tokens,
                 bucket.num_seqs,
                 " (decode)" if bucket.decode_only else "",
                 penalties,
                 prompt_lp,
+                greedy,
                 time.perf_counter() - t0,
             )
         total = time.perf_counter() - start
@@ -378,20 +397,22 @@ class Runner:
         history: TokenHistory | None = None,
         want_logprobs: bool = False,
         prompt_targets: np.ndarray | None = None,
+        greedy: bool = False,
     ) -> StepOutput:
         """Dispatches one precompiled step; returns its device outputs without waiting for them.
 
         prompt_targets: per flat token, the next prompt token whose logprob to compute (inputs.NO_TARGET
         for none); only the prompt-logprobs variants take it.
+        greedy: every row is greedy and none wants logprobs (the greedy variants; see `step_fn`).
         """
         bucket = inputs.bucket
-        compiled = self._compiled.get((bucket, history is not None, prompt_targets is not None))
+        compiled = self._compiled.get((bucket, history is not None, prompt_targets is not None, greedy))
         if compiled is None:
             shapes = [(b.num_tokens, b.num_seqs, b.decode_only) for b in self.spec.buckets.buckets]
             raise RuntimeError(
                 f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} decode_only={bucket.decode_only} "
-                f"penalties={history is not None} prompt_logprobs={prompt_targets is not None}: shapes are "
-                f"compiled only at warmup (compiled (T, B, decode_only): {shapes})"
+                f"penalties={history is not None} prompt_logprobs={prompt_targets is not None} greedy={greedy}: "
+                f"shapes are compiled only at warmup (compiled (T, B, decode_only): {shapes})"
             )
         device_inputs = DeviceInputs(
             **inputs.arrays(),

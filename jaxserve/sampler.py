@@ -118,6 +118,7 @@ def sample(
     num_top_logprobs: int = 0,
     token_history: Int[Array, "B S"] | None = None,
     num_prompt_tokens: Int[Array, " B"] | None = None,
+    greedy_only: bool = False,
 ) -> SamplerOutput:
     """Samples one token per row (see the module docstring for the semantics).
 
@@ -127,25 +128,29 @@ def sample(
     `token_history` holds each row's prompt then output token ids, padded with the sentinel V (out of
     range, dropped by the scatters); positions below `num_prompt_tokens[b]` are prompt tokens. Without
     it the penalties are skipped: a separate compiled variant, which spares the host building and
-    sending the [B, S] history, and returns the same tokens when every row's penalties are neutral.
+    sending the [B, S] history, and returns the same tokens when every row's penalties are neutral. With a
+    history they are applied to every row (neutral rows come out bit-identical): the caller passes one
+    only when some row has a penalty.
+
+    `greedy_only` (static): the caller promises every row is greedy; the step is an argmax with no
+    conditional, so its call does not wait for the device (see below).
     """
     if (token_history is None) != (num_prompt_tokens is None):
         raise ValueError("sample: pass token_history and num_prompt_tokens together, or neither")
     logits = logits.astype(jnp.float32)
     # Work the batch does not need is skipped with lax.cond. Measured on an H200 for 256 rows of a 49k
     # vocabulary: the sort takes 0.9 ms (2.1 ms at 128k) against 0.07 ms for an argmax, and the conds
-    # cost about 0.04 ms of device time. But XLA's GPU conditional copies its predicate to the host and
-    # blocks the host until the device gets there (ConditionalThunk), so the step call returns only
-    # after the forward pass: docs/benchmarks.md (third 8B run) has the measurement and the planned fix
-    # (host-chosen static variants instead of device predicates).
+    # cost about 0.04 ms of device time. But XLA's GPU conditional with real work in its branches copies
+    # its predicate to the host and blocks the host until the device gets there (ConditionalThunk;
+    # measured in docs/benchmarks.md, third 8B run), so the step call returns only after the forward
+    # pass. Hence `greedy_only`, a static variant without conditionals, for all-greedy batches.
     penalised = logits
     if token_history is not None:
-        has_penalty = (
-            (params.repetition_penalty != 1) | (params.presence_penalty != 0) | (params.frequency_penalty != 0)
-        )
-        penalised = jax.lax.cond(
-            jnp.any(has_penalty), apply_penalties, _unchanged, logits, params, token_history, num_prompt_tokens
-        )
+        penalised = apply_penalties(logits, params, token_history, num_prompt_tokens)
+    if greedy_only:
+        token_ids = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+        logprobs, top_logprobs, top_token_ids = compute_logprobs(logits, token_ids, num_top_logprobs)
+        return SamplerOutput(token_ids, logprobs, top_logprobs, top_token_ids)
 
     is_greedy = (params.temperature < GREEDY_TEMPERATURE) | (params.top_k == 1)
     scaled = penalised / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
@@ -254,10 +259,6 @@ def _no_draw(filtered: Float[Array, "B V"], params: SamplingTensors, key: Array)
 
 def _keep_all(scaled: Float[Array, "B V"], *filters: object) -> Float[Array, " B"]:
     return jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype)
-
-
-def _unchanged(logits: Float[Array, "B V"], *penalty_inputs: object) -> Float[Array, "B V"]:
-    return logits
 
 
 def _row_keys(params: SamplingTensors, key: Array) -> Array:

@@ -83,6 +83,8 @@ def test_compile_config_normalizes_and_rejects():
         CompileConfig(penalty_variants=1)
     with pytest.raises(ValueError, match="prompt_logprobs must be a bool"):
         CompileConfig(prompt_logprobs="yes")
+    with pytest.raises(ValueError, match="greedy_variants must be a bool"):
+        CompileConfig(greedy_variants=1)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from jaxserve.sampler import SamplingTensors, apply_penalties, compute_logprobs, sample
 
-_sample = jax.jit(sample, static_argnames=("num_top_logprobs",))
+_sample = jax.jit(sample, static_argnames=("num_top_logprobs", "greedy_only"))
 _apply_penalties = jax.jit(apply_penalties)
 _compute_logprobs = jax.jit(compute_logprobs, static_argnames=("num_top",))
 
@@ -392,6 +392,24 @@ def test_neutral_penalties_change_nothing():
     with_history = _sample(logits, params, jax.random.key(1), token_history=history, num_prompt_tokens=num_prompt)
     without = _sample(logits, params, jax.random.key(1))
     np.testing.assert_array_equal(np.asarray(with_history.token_ids), np.asarray(without.token_ids))
+
+
+@pytest.mark.parametrize("penalties", [False, True])
+def test_greedy_only_variant_matches_the_general_sampler_on_greedy_rows(penalties):
+    """The all-greedy variant (an argmax, no conditionals) gives the general sampler's tokens and logprobs."""
+    rng = np.random.default_rng(15)
+    logits = jnp.asarray(rng.normal(0.0, 3.0, size=(BATCH, VOCAB)).astype(np.float32))
+    history = jnp.asarray(rng.integers(0, VOCAB + 1, size=(BATCH, HISTORY)), jnp.int32)
+    num_prompt = jnp.asarray(rng.integers(0, HISTORY + 1, BATCH), jnp.int32)
+    fields = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3) if penalties else {}
+    params = make_params(BATCH, top_k=np.where(np.arange(BATCH) % 2, 1, 0), **fields)  # temperature 0 or top_k 1
+    extra = dict(token_history=history, num_prompt_tokens=num_prompt) if penalties else {}
+    general = _sample(logits, params, jax.random.key(2), **extra)
+    greedy = _sample(logits, params, jax.random.key(2), greedy_only=True, **extra)
+    np.testing.assert_array_equal(np.asarray(greedy.token_ids), np.asarray(general.token_ids))
+    np.testing.assert_array_equal(np.asarray(greedy.logprobs), np.asarray(general.logprobs))
+    if penalties:
+        assert (np.asarray(greedy.token_ids) != np.argmax(np.asarray(logits), axis=-1)).any(), "penalties unused"
 
 
 def test_history_and_prompt_lengths_come_together():
