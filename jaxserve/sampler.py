@@ -1,7 +1,9 @@
 """On-device sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds and logprobs.
 
-Everything here is a pure function of device arrays that the runner traces inside its compiled step:
-no host sync, no data-dependent shapes. The host side (validation of SamplingParams, stop conditions)
+Everything here is a pure function of device arrays that the runner traces inside its compiled step,
+with no data-dependent shapes. Work a batch does not need (the filters' sort, the draw) is skipped with
+lax.cond, which on a GPU makes the step's call wait for the device (see `sample`); the `greedy_only`
+variant has no conditional. The host side (validation of SamplingParams, stop conditions)
 lives in `sampling.py`; this module only turns one step's logits into tokens.
 
 Semantics follow vLLM:
