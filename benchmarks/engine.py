@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--token-buckets", default=None, help="comma-separated token buckets (default: powers of 2)")
     parser.add_argument("--cache-dir", default=None, help="persistent compilation cache directory")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed generate; top functions to stderr")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: GPUs the model is split over")
     parser.add_argument(
         "--greedy-variants", action="store_true", help="compile all-greedy steps without conditionals (CompileConfig)"
     )
@@ -120,6 +121,7 @@ def main() -> None:
             greedy_variants=args.greedy_variants,
         ),
         attention_backend=args.backend,
+        tensor_parallel_size=args.tp,
         show_progress=False,
     )
     engine_s = time.perf_counter() - t0
@@ -143,6 +145,8 @@ def main() -> None:
     result = {
         "model": args.model,
         "backend": args.backend,
+        "tp": args.tp,
+        "greedy_variants": args.greedy_variants,
         "dtype": args.dtype,
         "load_s": round(load_s, 2),
         "engine_init_s": round(engine_s, 2),

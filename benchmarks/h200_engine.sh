@@ -4,6 +4,7 @@
 #   bash benchmarks/h200_engine.sh smollm2   # SmolLM2: pallas cold + cached warmup, then xla, token comparison
 #   bash benchmarks/h200_engine.sh dispatch  # which ops make the step call block the host (dispatch_sync.py)
 #   bash benchmarks/h200_engine.sh greedy    # 8B-shaped: general steps against greedy variants (no conditionals)
+#   bash benchmarks/h200_engine.sh tp2       # 8B-shaped on two GPUs: Pallas kernels under shard_map, and xla
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -35,9 +36,15 @@ case "${1:-}" in
     run llama8b_general 280 "${G[@]}"
     run llama8b_greedy 280 "${G[@]}" --greedy-variants
     ;;
+  tp2)
+    T=(--model llama8b --max-seq-len 2048 --decode-sizes 64,128,256 --token-buckets 2048,8192 --tp 2)
+    T+=(--num-prompts 256 --prompt-len 128 --max-tokens 128)
+    run llama8b_tp2_pallas 280 "${T[@]}" --backend pallas
+    run llama8b_tp2_xla 280 "${T[@]}" --backend xla --max-tokens 32
+    ;;
   dispatch)
     echo "== python benchmarks/dispatch_sync.py"
     timeout 300 python3 benchmarks/dispatch_sync.py | tee "$OUT/dispatch_sync.txt"
     ;;
-  *) echo "usage: $0 llama8b|smollm2|dispatch|greedy" >&2; exit 2 ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch|greedy|tp2" >&2; exit 2 ;;
 esac
