@@ -5,9 +5,12 @@ One compiled step (DESIGN.md "Data flow") does, on the device:
   1. gathers the tokens the previous step sampled into this step's token_ids (overlap);
   2. the model's forward over the flat token batch, writing K/V into the donated cache;
   3. logits at each sequence's last token, min_tokens bans, then the sampler; prompt-logprobs variants
-     also score every flat token's next prompt token.
-It is the JAX stand-in for a captured CUDA graph: shapes are fixed per bucket, and anything that
-would compile after warmup is refused with an error naming the shape.
+     also score every flat token's next prompt token; greedy variants take an argmax and branch on
+     nothing (a device-side conditional makes the step's call wait for the device on a GPU).
+Under tensor parallelism the weights and the cache are split over the mesh's model axis (the Pallas
+kernels run per device under shard_map, models/attention.py). It is the JAX stand-in for a captured
+CUDA graph: shapes are fixed per bucket, and anything that would compile after warmup is refused with
+an error naming the shape.
 """
 
 from __future__ import annotations
@@ -230,7 +233,8 @@ class RunnerSpec:
 
 
 class Runner:
-    """Weights, KV cache and the compiled step per (bucket, penalties) pair; see the module docstring."""
+    """Weights, KV cache and the compiled step per variant (bucket, penalties, prompt logprobs, greedy); see
+    the module docstring."""
 
     def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh | None = None, seed: int = 0) -> None:
         self.spec = spec
