@@ -8,10 +8,6 @@ jax fixes its device count when it starts, so the check runs in a fresh process 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -102,11 +98,8 @@ CHECK = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def results(run_with_host_devices) -> dict:
+    return run_with_host_devices(CHECK, num_devices=4)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

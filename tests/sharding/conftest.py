@@ -1,0 +1,28 @@
+"""Shared by the sharding tests: run a check script in a fresh process with several host devices.
+
+jax fixes its device count when it starts, so multi-device checks run in their own process
+(XLA_FLAGS=--xla_force_host_platform_device_count=N) and print their results as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+
+def _run_with_host_devices(script: str, num_devices: int = 4, timeout: int = 900) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def run_with_host_devices() -> Callable[..., dict]:
+    """`run_with_host_devices(script, num_devices=4)`: the JSON the script printed last."""
+    return _run_with_host_devices
