@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .checks import AttentionShapes, check_attention_inputs, check_max_q_len, check_options
+from .common import AttentionInputs
 from .decode_attention import DecodeParams, decode_attention
 from .ragged_attention import MixedParams, mixed_attention
 from .tuning import DecodeTiling, MixedTiling, check_tuning_keys, decode_tiling, mixed_tiling, next_power_of_2
@@ -97,17 +98,13 @@ def make_plan(
 
 @functools.partial(jax.jit, static_argnames=("plan", "interpret"))
 def _attention(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs, *, plan: AttentionPlan, interpret):
-    args = (q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
-    mt, dt = plan.mixed_tiling, plan.decode_tiling
+    inputs = AttentionInputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
     out = None
     if plan.mixed is not None:
-        kw = dict(num_warps=mt.num_warps, num_stages=mt.num_stages, interpret=interpret)
-        out = mixed_attention(*args, p=plan.mixed, **kw)
+        out = mixed_attention(inputs, plan.mixed, plan.mixed_tiling, interpret=interpret)
     if plan.decode is None:
         return out
-    return decode_attention(
-        *args, out, p=plan.decode, num_warps=dt.num_warps, num_stages=dt.num_stages, interpret=interpret
-    )
+    return decode_attention(inputs, out, plan.decode, plan.decode_tiling, interpret=interpret)
 
 
 def ragged_paged_attention(

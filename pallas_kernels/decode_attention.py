@@ -10,13 +10,16 @@ writes its output rows directly; otherwise it writes per-split partial outputs a
 that `_combine_kernel` (grid (B, H)) merges into the output rows, in place on `out`. In a decode-only
 launch (`max_q_len=1`) there is no `out` yet: the last launch creates the output and also writes the
 padding tokens' zero rows.
+
+This module holds the two kernels' parameters (`DecodeParams`), program bodies and launches
+(`decode_attention`); the K/V gather and the online softmax of a key tile are the mixed kernel's too
+and come from `common.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -25,14 +28,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .ragged_attention import AttentionRefs, exp2, exp2_scale, scores
-
-LOG2E = math.log2(math.e)
-
-
-# The Triton lowering turns DEFAULT precision into TF32 for float32 operands (a 1e-3 relative error);
-# HIGHEST asks for IEEE float32 there and leaves bf16 / f16 operands on their native tensor-core path.
-_PRECISION = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+from .common import (
+    AttentionInputs,
+    and_mask,
+    exp2,
+    exp2_scale,
+    head_dims,
+    load_kv,
+    normalise,
+    softmax_init,
+    softmax_step,
+    tile_scores,
+)
+from .tuning import DecodeTiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +61,7 @@ class DecodeParams:
     decode_only: bool  # no mixed launch before this one: also zero the padding tokens' rows
     context: int  # the block table's width in tokens (M * block_size)
     allow_eager_pages: bool = True  # a tuning switch (decode_eager_pages), for measuring `eager_pages`
-    approx_exp2: bool = False  # set for GPU launches: see ragged_attention.exp2
+    approx_exp2: bool = False  # set for GPU launches: see common.exp2
 
     @property
     def eager_pages(self) -> bool:
@@ -63,16 +71,6 @@ class DecodeParams:
     @property
     def group_padded(self) -> int:
         return max(16, 1 << (self.group - 1).bit_length())
-
-
-def _dims(p: DecodeParams) -> tuple[jax.Array, jax.Array | None]:
-    d = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
-    # The mask is [1, Dh] (full rank): the Triton lowering broadcasts masks only between equal ranks.
-    return d, ((d < p.head_dim)[None, :] if p.head_dim_padded != p.head_dim else None)
-
-
-def _and(mask: jax.Array, extra: jax.Array | None) -> jax.Array:
-    return mask if extra is None else mask & extra
 
 
 def _sequence(b, cu_ref, kv_lens_ref, ns_ref):
@@ -89,58 +87,40 @@ def _heads(h, p: DecodeParams):
     return jnp.where(row_ok, h * p.group + rows, p.num_heads), row_ok
 
 
-def _decode_step(t, carry, *, q, seq, h, lo_key, kv_len, bt_ref, k_ref, v_ref, p: DecodeParams):
+def _decode_step(t, carry, *, r: AttentionInputs, q, seq, h, lo_key, kv_len, p: DecodeParams):
     """Key tile t: its page ids through the block table, then the tile (`_decode_tile`)."""
     j = t * p.block_n + jnp.arange(p.block_n, dtype=jnp.int32)
     visible = (j < kv_len) & (j >= lo_key)
-    page = plgpu.load(bt_ref.at[seq, lax.div(j, p.block_size)], mask=visible, other=0)
-    return _decode_tile(j, page, visible, carry, q=q, h=h, k_ref=k_ref, v_ref=v_ref, p=p)
+    page = plgpu.load(r.block_table.at[seq, lax.div(j, p.block_size)], mask=visible, other=0)
+    return _decode_tile(j, page, visible, carry, r=r, q=q, h=h, p=p)
 
 
-def _decode_tile(j, page, visible, carry, *, q, h, k_ref, v_ref, p: DecodeParams):
+def _decode_tile(j, page, visible, carry, *, r: AttentionInputs, q, h, p: DecodeParams):
     """One key tile (keys j, their pages) of the online softmax of the group's query rows."""
-    acc, m_i, l_i = carry
-    d, dmask = _dims(p)
-    idx = (page[:, None], lax.rem(j, p.block_size)[:, None], h, d[None, :])
-    kv_mask = _and(visible[:, None], dmask)
-    k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=0.0)
-    v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=0.0)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32)
-    s, c = scores(s, p.sm_scale, p.soft_cap), exp2_scale(p.sm_scale, p.soft_cap)
+    k, v = load_kv(r, page, j, h, visible, head_dims(p), p)
+    s, c = tile_scores(q, k, p)
     s = jnp.where(visible[None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = exp2((m_i - m_safe) * c, p.approx_exp2)
-    prob = exp2(s * c - (m_safe * c)[:, None], p.approx_exp2)
-    l_i = l_i * alpha + jnp.sum(prob, axis=1)
-    pv = lax.dot_general(
-        prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
-    )
-    return acc * alpha[:, None] + pv, m_new, l_i
+    return softmax_step(carry, s, c, v, p, masked=True)
 
 
-def decode_split(r: AttentionRefs, parts: tuple | None, b, h, split, p: DecodeParams) -> None:
-    """Program body for split `split` of sequence b, kv head h; `parts` = (o_part, lse) refs when split."""
+def decode_split(r: AttentionInputs, outs: tuple, b, h, split, p: DecodeParams) -> None:
+    """Program body for split `split` of sequence b, kv head h; `outs` = (o_ref,) with one split, else the
+    (o_part, lse) refs."""
     q_start, kv_len, live = _sequence(b, r.cu_q_lens, r.kv_lens, r.num_seqs)
     # Sequences that are not ours, and padding ones (kv_len 0), run no key tile.
     hi_key = jnp.where(live, kv_len, 0)
-    d, dmask = _dims(p)
+    d, dmask = head_dims(p)
     head, row_ok = _heads(h, p)
-    mask = _and((row_ok & live)[:, None], dmask)
+    mask = and_mask((row_ok & live)[:, None], dmask)
     q = plgpu.load(r.q.at[q_start, head[:, None], d[None, :]], mask=mask, other=0.0)
-    carry = (
-        jnp.zeros((p.group_padded, p.head_dim_padded), jnp.float32),
-        jnp.full((p.group_padded,), -jnp.inf, jnp.float32),
-        jnp.zeros((p.group_padded,), jnp.float32),
-    )
+    carry = softmax_init(p.group_padded, p)
     if p.eager_pages:
         # One key tile per split, no window: split s reads tile s whatever kv_len is (the even division
         # below gives the same), so its page ids load without waiting for kv_len: one memory round trip
         # fewer before the K/V loads.
         j = split * p.block_n + jnp.arange(p.block_n, dtype=jnp.int32)
         page = plgpu.load(r.block_table.at[b, lax.div(j, p.block_size)], mask=j < p.context, other=0)
-        tile = dict(q=q, h=h, k_ref=r.k_cache, v_ref=r.v_cache, p=p)
-        acc, m_i, l_i = _decode_tile(j, page, j < hi_key, carry, **tile)
+        acc, m_i, l_i = _decode_tile(j, page, j < hi_key, carry, r=r, q=q, h=h, p=p)
     else:
         lo_key = 0 if p.sliding_window is None else jnp.maximum(hi_key - p.sliding_window, 0)
         first = lax.div(lo_key, p.block_n)
@@ -148,18 +128,18 @@ def decode_split(r: AttentionRefs, parts: tuple | None, b, h, split, p: DecodePa
         per_split = lax.div(jnp.maximum(last - first, 0) + p.num_splits - 1, p.num_splits)
         start = first + split * per_split
         stop = jnp.minimum(start + per_split, last)
-        refs = dict(bt_ref=r.block_table, k_ref=r.k_cache, v_ref=r.v_cache)
-        step = functools.partial(_decode_step, q=q, seq=b, h=h, lo_key=lo_key, kv_len=kv_len, p=p, **refs)
+        step = functools.partial(_decode_step, r=r, q=q, seq=b, h=h, lo_key=lo_key, kv_len=kv_len, p=p)
         acc, m_i, l_i = lax.fori_loop(start, stop, step, carry)
-    out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-    if parts is None:
-        plgpu.store(r.out.at[q_start, head[:, None], d[None, :]], out.astype(r.out.dtype), mask=mask)
+    out = normalise(acc, l_i)
+    if p.num_splits == 1:
+        [o_ref] = outs
+        plgpu.store(o_ref.at[q_start, head[:, None], d[None, :]], out.astype(o_ref.dtype), mask=mask)
     else:
-        o_part_ref, lse_ref = parts
-        # Log2-sum-exp of the scaled logits: the running max is in `scores` units.
-        c = exp2_scale(p.sm_scale, p.soft_cap)
+        o_part_ref, lse_ref = outs
+        # Log2-sum-exp of the scaled logits: the running max is in `tile_scores` units.
+        c = exp2_scale(p)
         lse = jnp.where(l_i > 0, m_i * c + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), -jnp.inf)
-        plgpu.store(o_part_ref.at[b, split, head[:, None], d[None, :]], out, mask=_and(row_ok[:, None], dmask))
+        plgpu.store(o_part_ref.at[b, split, head[:, None], d[None, :]], out, mask=and_mask(row_ok[:, None], dmask))
         plgpu.store(lse_ref.at[b, split, head], lse, mask=row_ok)
 
 
@@ -178,8 +158,7 @@ def _combine_kernel(o_part_ref, lse_ref, cu_ref, kv_lens_ref, ns_ref, *outs, p: 
     """
     o_ref = outs[-1]
     b, head = pl.program_id(0), pl.program_id(1)
-    d = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
-    dmask = (d < p.head_dim) if p.head_dim_padded != p.head_dim else None  # [Dh]: the stores are 1-D
+    d, dmask = head_dims(p, flat=True)  # [Dh]: the stores are 1-D
     chunk = min(COMBINE_CHUNK, p.num_splits)
     part_mask = None if dmask is None else jnp.broadcast_to(dmask[None, :], (chunk, p.head_dim_padded))
 
@@ -202,68 +181,53 @@ def _combine_kernel(o_part_ref, lse_ref, cu_ref, kv_lens_ref, ns_ref, *outs, p: 
         acc, _, den = lax.fori_loop(0, p.num_splits // chunk, merge, carry)
     q_start, _, live = _sequence(b, cu_ref, kv_lens_ref, ns_ref)
     out = acc / jnp.where(den > 0, den, 1.0)
-    plgpu.store(o_ref.at[q_start, head, d], out.astype(o_ref.dtype), mask=_and(jnp.full(d.shape, live), dmask))
+    plgpu.store(o_ref.at[q_start, head, d], out.astype(o_ref.dtype), mask=and_mask(jnp.full(d.shape, live), dmask))
     if p.decode_only:
-        # Decode-only launches own the output: token row b is padding from cu_q_lens[num_seqs] on
-        # (see _zero_padding_row).
-        pad = (b >= cu_ref[ns_ref[0]]) & (b < p.num_tokens)
-        row = jnp.minimum(b, p.num_tokens)
+        pad, row = _padding_row(b, cu_ref, ns_ref, p)
         zeros = jnp.zeros((p.head_dim_padded,), o_ref.dtype)
-        plgpu.store(o_ref.at[row, head, d], zeros, mask=_and(jnp.full(d.shape, pad), dmask))
+        plgpu.store(o_ref.at[row, head, d], zeros, mask=and_mask(jnp.full(d.shape, pad), dmask))
 
 
-def _zero_padding_row(o_ref, b, head, row_ok, cu_ref, ns_ref, p: DecodeParams) -> None:
+def _padding_row(b, cu_ref, ns_ref, p: DecodeParams) -> tuple[jax.Array, jax.Array]:
     """Decode-only launches own the whole output: program b zeroes token row b when it is padding.
 
     With every live sequence one token long, tokens are numbered like sequences (cu_q_lens[b] = b), so the
     padding tokens cu_q_lens[num_seqs] .. T-1 are rows b of the programs b >= cu_q_lens[num_seqs].
+    Returns whether row b is padding and the row to store to (one past the end when it is not).
     """
-    d, dmask = _dims(p)
     pad = (b >= cu_ref[ns_ref[0]]) & (b < p.num_tokens)
-    row = jnp.minimum(b, p.num_tokens)  # one past the end when masked off
-    zeros = jnp.zeros((p.group_padded, p.head_dim_padded), o_ref.dtype)
-    plgpu.store(o_ref.at[row, head[:, None], d[None, :]], zeros, mask=_and((row_ok & pad)[:, None], dmask))
+    return pad, jnp.minimum(b, p.num_tokens)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, *outs, p: DecodeParams):
+def _decode_kernel(*refs, p: DecodeParams):
+    r, outs = AttentionInputs.split_refs(refs)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if p.num_splits == 1:
         o_ref = outs[-1]  # the output ref (after the aliased input ref when the mixed kernel ran first)
-        r = AttentionRefs(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, o_ref)
-        decode_split(r, None, b, h, split, p)
+        decode_split(r, (o_ref,), b, h, split, p)
         if p.decode_only:
             head, row_ok = _heads(h, p)
-            _zero_padding_row(o_ref, b, head, row_ok, cu_ref, ns_ref, p)
+            d, dmask = head_dims(p)
+            pad, row = _padding_row(b, r.cu_q_lens, r.num_seqs, p)
+            zeros = jnp.zeros((p.group_padded, p.head_dim_padded), o_ref.dtype)
+            rows = o_ref.at[row, head[:, None], d[None, :]]
+            plgpu.store(rows, zeros, mask=and_mask((row_ok & pad)[:, None], dmask))
     else:
-        r = AttentionRefs(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, None)
         decode_split(r, outs, b, h, split, p)
 
 
 def decode_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    kv_lens,
-    cu_q_lens,
-    num_seqs,
-    out,
-    *,
-    p: DecodeParams,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
+    inputs: AttentionInputs, out, p: DecodeParams, tiling: DecodeTiling, *, interpret: bool
 ) -> jax.Array:
     """Write the output rows of every one-token sequence into `out` (aliased, in place); with
     `p.decode_only`, `out` is None and the launch creates the output, padding rows zeroed."""
-    max_seqs, num_kv_heads = block_table.shape[0], k_cache.shape[2]
+    max_seqs, num_kv_heads = inputs.block_table.shape[0], inputs.k_cache.shape[2]
     p = dataclasses.replace(p, approx_exp2=not interpret)
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     grid = (max_seqs, num_kv_heads, p.num_splits)
-    args = (q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
-    out_args, aliases = ((), {}) if out is None else ((out,), {len(args): 0})
+    out_args, aliases = ((), {}) if out is None else ((out,), {len(inputs): 0})
     kernel = functools.partial(_decode_kernel, p=p)
-    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_shape = jax.ShapeDtypeStruct(inputs.q.shape, inputs.q.dtype)
     if p.num_splits == 1:
         return pl.pallas_call(
             kernel,
@@ -273,7 +237,7 @@ def decode_attention(
             compiler_params=params,
             interpret=interpret,
             name="ragged_paged_attention_decode",
-        )(*args, *out_args)
+        )(*inputs, *out_args)
     part_shapes = (
         jax.ShapeDtypeStruct((max_seqs, p.num_splits, p.num_heads, p.head_dim_padded), jnp.float32),
         jax.ShapeDtypeStruct((max_seqs, p.num_splits, p.num_heads), jnp.float32),
@@ -285,7 +249,7 @@ def decode_attention(
         compiler_params=params,
         interpret=interpret,
         name="ragged_paged_attention_decode_split",
-    )(*args)
+    )(*inputs)
     return pl.pallas_call(
         functools.partial(_combine_kernel, p=p),
         out_shape=out_shape,
@@ -294,4 +258,4 @@ def decode_attention(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_combine",
-    )(o_part, lse, cu_q_lens, kv_lens, num_seqs, *out_args)
+    )(o_part, lse, inputs.cu_q_lens, inputs.kv_lens, inputs.num_seqs, *out_args)

@@ -6,15 +6,16 @@ the whole group. Its program finds its sequence from cu_q_lens, then walks the k
 loops: tiles cut by the window's lower edge (masked), tiles every row sees in full (no mask), and tiles on
 the causal diagonal (masked), with an online softmax in float32. Keys are gathered per token through the
 block table, so tiles need not align with KV blocks. Zero tiles write the padding tokens' rows.
+
+This module holds the kernel's parameters (`MixedParams`), program bodies and launch (`mixed_attention`);
+the K/V gather and the online softmax of a key tile are the decode kernel's too and come from `common.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +23,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-LOG2E = math.log2(math.e)
-
-
-# The Triton lowering turns DEFAULT precision into TF32 for float32 operands (a 1e-3 relative error);
-# HIGHEST asks for IEEE float32 there and leaves bf16 / f16 operands on their native tensor-core path.
-_PRECISION = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+from .common import (
+    AttentionInputs,
+    and_mask,
+    head_dims,
+    load_kv,
+    normalise,
+    softmax_init,
+    softmax_step,
+    tile_scores,
+)
+from .tuning import MixedTiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +52,7 @@ class MixedParams:
     sliding_window: int | None
     soft_cap: float | None
     skip_single: bool  # leave sequences of one query token to the decode kernel
-    approx_exp2: bool = False  # set for GPU launches: see `exp2`
+    approx_exp2: bool = False  # set for GPU launches: see common.exp2
 
     @property
     def block_q(self) -> int:
@@ -66,16 +72,6 @@ class MixedParams:
         return 1 << self.max_seqs.bit_length()  # a power of two > B
 
 
-def _dims(p: MixedParams) -> tuple[jax.Array, jax.Array | None]:
-    d = jnp.arange(p.head_dim_padded, dtype=jnp.int32)
-    # The mask is [1, Dh] (full rank): the Triton lowering broadcasts masks only between equal ranks.
-    return d, ((d < p.head_dim)[None, :] if p.head_dim_padded != p.head_dim else None)
-
-
-def _and(mask: jax.Array, extra: jax.Array | None) -> jax.Array:
-    return mask if extra is None else mask & extra
-
-
 def _find_sequence(cu_ref, ns_ref, q_block: jax.Array, p: MixedParams):
     """Sequence owning query tile `q_block`: the last b < num_seqs whose first tile is <= it."""
     num_seqs = ns_ref[0]
@@ -91,65 +87,21 @@ def _find_sequence(cu_ref, ns_ref, q_block: jax.Array, p: MixedParams):
     return found, seq, q_start, local
 
 
-def _tile_step(t, carry, *, q, seq, h, kv_len, qpos, bt_ref, k_ref, v_ref, p: MixedParams, masked: bool):
+def _tile_step(t, carry, *, r: AttentionInputs, q, seq, h, kv_len, qpos, p: MixedParams, masked: bool):
     """One key tile of the online softmax; `masked` tiles apply the causal/window/length mask."""
-    acc, m_i, l_i = carry
-    d, dmask = _dims(p)
+    dims = head_dims(p)
     j = t * p.block_n + jnp.arange(p.block_n, dtype=jnp.int32)
     in_range = j < kv_len
-    page_mask = in_range if masked else None
-    page = plgpu.load(bt_ref.at[seq, lax.div(j, p.block_size)], mask=page_mask, other=None if page_mask is None else 0)
-    idx = (page[:, None], lax.rem(j, p.block_size)[:, None], h, d[None, :])
-    kv_mask = _and(in_range[:, None], dmask) if masked else dmask
-    other = None if kv_mask is None else 0.0
-    k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=other)
-    v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=other)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32)
-    s, c = scores(s, p.sm_scale, p.soft_cap), exp2_scale(p.sm_scale, p.soft_cap)
+    keys_ok = in_range if masked else None
+    page = plgpu.load(r.block_table.at[seq, lax.div(j, p.block_size)], mask=keys_ok, other=0 if masked else None)
+    k, v = load_kv(r, page, j, h, keys_ok, dims, p)
+    s, c = tile_scores(q, k, p)
     if masked:
         allowed = (j[None, :] <= qpos[:, None]) & in_range[None, :]
         if p.sliding_window is not None:
             allowed &= j[None, :] > qpos[:, None] - p.sliding_window
         s = jnp.where(allowed, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    # A row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-    alpha = exp2((m_i - m_safe) * c, p.approx_exp2)
-    prob = exp2(s * c - (m_safe * c)[:, None], p.approx_exp2)  # one fused multiply-add per score
-    l_i = l_i * alpha + jnp.sum(prob, axis=1)
-    pv = lax.dot_general(
-        prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
-    )
-    return acc * alpha[:, None] + pv, m_new, l_i
-
-
-def exp2(x: jax.Array, approx: bool) -> jax.Array:
-    """2**x of a float32 tile. approx (GPU launches): the PTX instruction ex2.approx.ftz.f32 alone (one
-    special-function op, ~2 ulp, subnormal results flushed to 0, exp2(-inf) = 0). jnp.exp2 lowers to
-    libdevice's __nv_exp2f, which wraps the same instruction in subnormal range handling: several more
-    instructions per score in the softmax. Interpret mode (CPU) has no PTX and uses jnp.exp2."""
-    if not approx:
-        return jnp.exp2(x)
-    [y] = plgpu.elementwise_inline_asm(
-        "ex2.approx.ftz.f32 $0, $1;",
-        args=[x],
-        constraints="=f,f",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
-    )
-    return y
-
-
-def exp2_scale(sm_scale: float, soft_cap: float | None) -> float:
-    """c with softmax = exp2(c * (s - max s)) for the scores `scores` keeps (see there)."""
-    return sm_scale * LOG2E if soft_cap is None else LOG2E
-
-
-def scores(s: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
-    """The units the running max is kept in: raw dot products without soft-capping (sm_scale > 0 does not
-    move the max, and the scale is applied inside exp2's argument as s * c - max * c, one fused
-    multiply-add per score), soft-capped logits with it."""
-    return s if soft_cap is None else jnp.tanh(s * (sm_scale / soft_cap)) * soft_cap
+    return softmax_step(carry, s, c, v, p, masked=masked)
 
 
 def _key_tile_ranges(ctx, q_lo, q_hi, kv_len, p: MixedParams):
@@ -168,20 +120,6 @@ def _key_tile_ranges(ctx, q_lo, q_hi, kv_len, p: MixedParams):
     return lo, full_lo, full_hi, hi
 
 
-@dataclass(frozen=True)
-class AttentionRefs:
-    """The launch's refs: inputs (DESIGN.md, Flat token batch; num_seqs as [1]) and the output [T, H, Dh]."""
-
-    q: Any
-    k_cache: Any
-    v_cache: Any
-    block_table: Any
-    kv_lens: Any
-    cu_q_lens: Any
-    num_seqs: Any
-    out: Any
-
-
 def _tile_rows(first: jax.Array, h: jax.Array, p: MixedParams):
     """Rows of a query tile: token (relative to `first`) and query head of each of the block_m rows."""
     rows = jnp.arange(p.block_m, dtype=jnp.int32)
@@ -190,8 +128,8 @@ def _tile_rows(first: jax.Array, h: jax.Array, p: MixedParams):
     return rows < p.block_q * p.group, tok, head
 
 
-def mixed_tile(r: AttentionRefs, q_block: jax.Array, h: jax.Array, p: MixedParams) -> None:
-    """Program body for query tile `q_block` of kv head h: attention of its rows, written to r.out."""
+def mixed_tile(r: AttentionInputs, o_ref, q_block: jax.Array, h: jax.Array, p: MixedParams) -> None:
+    """Program body for query tile `q_block` of kv head h: attention of its rows, written to o_ref."""
     found, seq, q_start, local = _find_sequence(r.cu_q_lens, r.num_seqs, q_block, p)
     q_len = r.cu_q_lens[seq + 1] - q_start
     kv_len = r.kv_lens[seq]
@@ -202,76 +140,58 @@ def mixed_tile(r: AttentionRefs, q_block: jax.Array, h: jax.Array, p: MixedParam
     # Sequences with kv_len 0 (padding) run no key tile and write zeros.
     @pl.when(active)
     def _():
-        d, dmask = _dims(p)
+        d, dmask = head_dims(p)
         in_tile, tok_local, head = _tile_rows(local * p.block_q, h, p)
         row_ok = in_tile & (tok_local < q_len)
         tok = jnp.where(row_ok, q_start + tok_local, p.num_tokens)
         idx = (tok[:, None], head[:, None], d[None, :])
-        q = plgpu.load(r.q.at[idx], mask=_and(row_ok[:, None], dmask), other=0.0)
+        q = plgpu.load(r.q.at[idx], mask=and_mask(row_ok[:, None], dmask), other=0.0)
         ctx = kv_len - q_len
         q_lo = local * p.block_q
         q_hi = jnp.minimum(q_lo + p.block_q, q_len) - 1
         lo, full_lo, full_hi, hi = _key_tile_ranges(ctx, q_lo, q_hi, kv_len, p)
-        refs = dict(bt_ref=r.block_table, k_ref=r.k_cache, v_ref=r.v_cache)
-        step = functools.partial(_tile_step, q=q, seq=seq, h=h, kv_len=kv_len, qpos=ctx + tok_local, p=p, **refs)
-        carry = (
-            jnp.zeros((p.block_m, p.head_dim_padded), jnp.float32),
-            jnp.full((p.block_m,), -jnp.inf, jnp.float32),
-            jnp.zeros((p.block_m,), jnp.float32),
-        )
+        step = functools.partial(_tile_step, r=r, q=q, seq=seq, h=h, kv_len=kv_len, qpos=ctx + tok_local, p=p)
+        carry = softmax_init(p.block_m, p)
         carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
         acc, _, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-        plgpu.store(r.out.at[idx], out.astype(r.out.dtype), mask=_and(row_ok[:, None], dmask))
+        out = normalise(acc, l_i)
+        plgpu.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=and_mask(row_ok[:, None], dmask))
 
 
-def zero_tile(r: AttentionRefs, z: jax.Array, h: jax.Array, p: MixedParams) -> None:
+def zero_tile(r: AttentionInputs, o_ref, z: jax.Array, h: jax.Array, p: MixedParams) -> None:
     """Program body writing zeros to the padding tokens (from cu_q_lens[num_seqs] on) of token tile z."""
-    d, dmask = _dims(p)
+    d, dmask = head_dims(p)
     in_tile, tok, head = _tile_rows(z * p.block_q, h, p)
     pad = in_tile & (tok >= r.cu_q_lens[r.num_seqs[0]]) & (tok < p.num_tokens)
     tok = jnp.where(pad, tok, p.num_tokens)
-    zeros = jnp.zeros((p.block_m, p.head_dim_padded), r.out.dtype)
-    plgpu.store(r.out.at[tok[:, None], head[:, None], d[None, :]], zeros, mask=_and(pad[:, None], dmask))
+    zeros = jnp.zeros((p.block_m, p.head_dim_padded), o_ref.dtype)
+    plgpu.store(o_ref.at[tok[:, None], head[:, None], d[None, :]], zeros, mask=and_mask(pad[:, None], dmask))
 
 
-def _mixed_kernel(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, o_ref, *, p: MixedParams):
-    r = AttentionRefs(q_ref, k_ref, v_ref, bt_ref, kv_lens_ref, cu_ref, ns_ref, o_ref)
+def _mixed_kernel(*refs, p: MixedParams):
+    r, (o_ref,) = AttentionInputs.split_refs(refs)
     i, h = pl.program_id(0), pl.program_id(1)
 
     @pl.when(i < p.num_q_blocks)
     def _():
         # Heaviest (latest) query tiles first: causal work grows along a sequence.
-        mixed_tile(r, p.num_q_blocks - 1 - i, h, p)
+        mixed_tile(r, o_ref, p.num_q_blocks - 1 - i, h, p)
 
     @pl.when(i >= p.num_q_blocks)
     def _():
-        zero_tile(r, i - p.num_q_blocks, h, p)
+        zero_tile(r, o_ref, i - p.num_q_blocks, h, p)
 
 
-def mixed_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    kv_lens,
-    cu_q_lens,
-    num_seqs,
-    *,
-    p: MixedParams,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
-) -> jax.Array:
+def mixed_attention(inputs: AttentionInputs, p: MixedParams, tiling: MixedTiling, *, interpret: bool) -> jax.Array:
     """Launch grid (query tiles + zero tiles, kv heads); returns [T, H, Dh] with every row written except
     those of one-token sequences when `p.skip_single` (the decode kernel writes those in place)."""
     p = dataclasses.replace(p, approx_exp2=not interpret)
     return pl.pallas_call(
         functools.partial(_mixed_kernel, p=p),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(p.num_q_blocks + p.num_zero_tiles, k_cache.shape[2]),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=jax.ShapeDtypeStruct(inputs.q.shape, inputs.q.dtype),
+        grid=(p.num_q_blocks + p.num_zero_tiles, inputs.k_cache.shape[2]),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_mixed",
-    )(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs)
+    )(*inputs)
