@@ -28,6 +28,14 @@ def _check_pow2(name: str, value: int, low: int, high: int) -> None:
         raise ValueError(f"{name} must be a power of two in [{low}, {high}], got {value}")
 
 
+def _check_launch(prefix: str, block_n: int, num_warps: int, num_stages: int) -> None:
+    """The fields both tilings have; `prefix` makes the names those of the tuning keywords."""
+    _check_pow2(f"{prefix}block_n", block_n, 16, 256)
+    _check_pow2(f"{prefix}num_warps", num_warps, 1, 16)
+    if not 1 <= num_stages <= 6:
+        raise ValueError(f"{prefix}num_stages must be in [1, 6], got {num_stages}")
+
+
 @dataclass(frozen=True, slots=True)
 class MixedTiling:
     """Tiling of the mixed (prefill + decode) kernel.
@@ -43,10 +51,7 @@ class MixedTiling:
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m, 16, 256)
-        _check_pow2("block_n", self.block_n, 16, 256)
-        _check_pow2("num_warps", self.num_warps, 1, 16)
-        if not 1 <= self.num_stages <= 6:
-            raise ValueError(f"num_stages must be in [1, 6], got {self.num_stages}")
+        _check_launch("", self.block_n, self.num_warps, self.num_stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +70,7 @@ class DecodeTiling:
 
     def __post_init__(self) -> None:
         _check_pow2("num_splits", self.num_splits, 1, 256)
-        _check_pow2("decode_block_n", self.block_n, 16, 256)
-        _check_pow2("decode_num_warps", self.num_warps, 1, 16)
-        if not 1 <= self.num_stages <= 6:
-            raise ValueError(f"decode_num_stages must be in [1, 6], got {self.num_stages}")
+        _check_launch("decode_", self.block_n, self.num_warps, self.num_stages)
 
 
 # (padded head_dim, token class) -> MixedTiling; token class = the smallest key >= T. Measured on the H200:
