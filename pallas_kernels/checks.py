@@ -19,12 +19,11 @@ FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 
 @dataclass(frozen=True, slots=True)
 class AttentionShapes:
-    """Static sizes of one attention call (legend: T H Dh N Bs K B M)."""
+    """Static sizes of one attention call (legend: T H Dh Bs K B M)."""
 
     num_tokens: int
     num_heads: int
     head_dim: int
-    num_blocks: int
     block_size: int
     num_kv_heads: int
     max_seqs: int
@@ -79,7 +78,7 @@ def check_attention_inputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens,
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have q's dtype ({q.dtype})")
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(
             f"query heads (q.shape[1]={num_heads}) must be a multiple of kv heads (k_cache.shape[2]={num_kv_heads})"
@@ -99,9 +98,7 @@ def check_attention_inputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens,
         if jnp.shape(num_seqs) not in ((), (1,)):
             raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
         _check_int32("num_seqs", num_seqs)
-    shapes = AttentionShapes(
-        num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads, max_seqs, max_blocks
-    )
+    shapes = AttentionShapes(num_tokens, num_heads, head_dim, block_size, num_kv_heads, max_seqs, max_blocks)
     if _is_concrete(block_table, kv_lens, cu_q_lens, num_seqs):
         _check_values(shapes, np.asarray(kv_lens), np.asarray(cu_q_lens), int(np.asarray(num_seqs).reshape(())))
     return shapes
