@@ -13,7 +13,6 @@ programs then share the mixed tiles' registers and shared memory; docs/kernel_no
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 
 import jax
@@ -21,20 +20,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .checks import AttentionShapes, check_attention_inputs, check_max_q_len, check_options
-from .common import AttentionInputs
+from .common import AttentionInputs, filter_triton_deprecation
 from .decode_attention import DecodeParams, decode_attention
 from .ragged_attention import MixedParams, mixed_attention
 from .tuning import DecodeTiling, MixedTiling, check_tuning_keys, decode_tiling, mixed_tiling, next_power_of_2
-
-# JAX 0.11+ warns on every lowering of a Triton-backend pallas_call. The Mosaic GPU port is a later goal
-# (DESIGN.md, Kernels); until then this exact warning is expected and filtered, nothing else.
-TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
-
-
-@functools.cache
-def filter_triton_deprecation() -> None:
-    """Ignore the Triton-backend deprecation warning (only it); lowering may happen in a caller's jit."""
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,16 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .common import (
-    AttentionInputs,
-    and_mask,
-    head_dims,
-    load_kv,
-    normalise,
-    softmax_init,
-    softmax_step,
-    tile_scores,
-)
+from .common import AttentionInputs, and_mask, head_dims, load_kv, normalise, softmax_init, softmax_step, tile_scores
 from .tuning import MixedTiling
 
 

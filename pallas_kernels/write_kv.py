@@ -18,8 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from .attention import filter_triton_deprecation
 from .checks import check_write_inputs
+from .common import filter_triton_deprecation
 from .tuning import next_power_of_2
 
 
