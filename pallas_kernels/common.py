@@ -30,7 +30,7 @@ LOG2E = math.log2(math.e)
 
 # The Triton lowering turns DEFAULT precision into TF32 for float32 operands (a 1e-3 relative error);
 # HIGHEST asks for IEEE float32 there and leaves bf16 / f16 operands on their native tensor-core path.
-PRECISION = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+_PRECISION = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 Carry = tuple[jax.Array, jax.Array, jax.Array]  # online softmax: accumulator [rows, Dh], running max, sum
 
@@ -122,7 +122,7 @@ def tile_scores(q: jax.Array, k: jax.Array, p: TileParams) -> tuple[jax.Array, f
     the running max is kept in: raw dot products without soft-capping (sm_scale > 0 does not move the max,
     and the scale is applied inside exp2's argument as s * c - max * c, one fused multiply-add per score),
     soft-capped logits with it."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=PRECISION, preferred_element_type=jnp.float32)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32)
     if p.soft_cap is not None:
         s = jnp.tanh(s * (p.sm_scale / p.soft_cap)) * p.soft_cap
     return s, exp2_scale(p)
@@ -150,7 +150,7 @@ def softmax_step(carry: Carry, s: jax.Array, c: float, v: jax.Array, p: TilePara
     prob = exp2(s * c - (m_safe * c)[:, None], p.approx_exp2)  # one fused multiply-add per score
     l_i = l_i * alpha + jnp.sum(prob, axis=1)
     pv = lax.dot_general(
-        prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=PRECISION, preferred_element_type=jnp.float32
+        prob.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PRECISION, preferred_element_type=jnp.float32
     )
     return acc * alpha[:, None] + pv, m_new, l_i
 

@@ -193,7 +193,7 @@ def _padding_row(b, cu_ref, ns_ref, p: DecodeParams) -> tuple[jax.Array, jax.Arr
 
     With every live sequence one token long, tokens are numbered like sequences (cu_q_lens[b] = b), so the
     padding tokens cu_q_lens[num_seqs] .. T-1 are rows b of the programs b >= cu_q_lens[num_seqs].
-    Returns whether row b is padding and the row to store to (one past the end when it is not).
+    Returns whether row b is padding and the row to store to: b, or T (one past the end) for b >= T.
     """
     pad = (b >= cu_ref[ns_ref[0]]) & (b < p.num_tokens)
     return pad, jnp.minimum(b, p.num_tokens)
