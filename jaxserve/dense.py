@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from types import ModuleType
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from models.attention import DenseAttentionMetadata, DenseKVCache, init_dense_cache
+from models.registry import ModelFamily
 
 
 def sample_tokens(
@@ -52,7 +52,7 @@ def _step(
     temperature: Float[Array, ""],
     top_p: Float[Array, ""],
     *,
-    family: ModuleType,
+    family: ModelFamily,
     cfg: Any,
 ) -> tuple[Int[Array, " B"], DenseKVCache]:
     """One forward over a flat batch, then one sampled token per sequence from its `sample_rows` row."""
@@ -75,7 +75,7 @@ def _validate(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature
 
 
 def generate_dense(
-    family: ModuleType,
+    family: ModelFamily,
     cfg: Any,
     weights: Any,
     prompts: list[list[int]],

@@ -27,7 +27,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
+from models.common import ParamSpec
 from sharding.mesh import MODEL_AXIS
+from sharding.rules import partition_spec
 
 
 class _CacheShape(Protocol):
@@ -93,12 +95,20 @@ class PagedAttentionMetadata:
     interpret: bool = False
 
 
-def init_paged_cache(cfg: _CacheShape, num_blocks: int, block_size: int, dtype: jnp.dtype) -> PagedKVCache:
-    """Zeroed block pool of `num_blocks` blocks (block 0 included) of `block_size` tokens per layer."""
+def paged_cache_specs(cfg: _CacheShape, num_blocks: int, block_size: int) -> PagedKVCache:
+    """The block pool's declaration, like a weight's: shape and logical axes of `k` and `v`. The rules
+    table (sharding/rules.py) splits it over kv heads; capacity reads its bytes per token from it."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    spec = ParamSpec(shape, ("layers", None, None, "kv_heads", "head_dim"))
+    return PagedKVCache(k=spec, v=spec)
+
+
+def init_paged_cache(cfg: _CacheShape, num_blocks: int, block_size: int, dtype: jnp.dtype) -> PagedKVCache:
+    """Zeroed block pool of `num_blocks` blocks (block 0 included) of `block_size` tokens per layer."""
+    specs = paged_cache_specs(cfg, num_blocks, block_size)
+    return PagedKVCache(k=jnp.zeros(specs.k.shape, dtype), v=jnp.zeros(specs.v.shape, dtype))
 
 
 def init_dense_cache(cfg: _CacheShape, batch: int, max_len: int, dtype: jnp.dtype) -> DenseKVCache:
@@ -171,20 +181,24 @@ def paged_attention(
         out = attend(q, k_pool, v_pool, block_table, kv_lens, cu_q_lens, num_seqs, **options)
         return out, k_pool, v_pool
 
-    if meta.backend == "pallas" and meta.mesh is not None and meta.mesh.shape[MODEL_AXIS] > 1:
-        # Attention is independent per kv head: each device runs the kernels on its heads (q, k, v and
-        # the pool split on their head axes, the batch's tables replicated). Needs K % tp == 0, which
-        # keeps every device's query heads with their kv head (the runner checks it).
-        heads, pool, replicated = P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS, None), P()
-        write_and_attend = jax.shard_map(
-            write_and_attend,
-            mesh=meta.mesh,
-            in_specs=(pool, pool, heads, heads, heads, *[replicated] * 5),
-            out_specs=(heads, pool, pool),
-            check_vma=False,
-        )
     num_layers, num_blocks, block_size = kv_cache.k.shape[:3]
     pool_shape = (num_layers * num_blocks, *kv_cache.k.shape[2:])
+    if meta.backend == "pallas" and meta.mesh is not None and meta.mesh.shape[MODEL_AXIS] > 1:
+        # Attention is independent per kv head: each device runs the kernels on its heads (q, k, v and
+        # the pool split on their head axes by the rules table, the batch's tables replicated). Needs
+        # H % tp == K % tp == 0, which keeps every device's query heads with their kv head (the runner
+        # checks it).
+        mesh = meta.mesh
+        q_spec = partition_spec(ParamSpec(q.shape, (None, "heads", "head_dim")), mesh)
+        kv_spec = partition_spec(ParamSpec(k.shape, (None, "kv_heads", "head_dim")), mesh)
+        pool = partition_spec(ParamSpec(pool_shape, (None, None, "kv_heads", "head_dim")), mesh)
+        write_and_attend = jax.shard_map(
+            write_and_attend,
+            mesh=mesh,
+            in_specs=(pool, pool, q_spec, kv_spec, kv_spec, *[P()] * 5),
+            out_specs=(q_spec, pool, pool),
+            check_vma=False,
+        )
     offset = layer * num_blocks
     dtype = kv_cache.k.dtype
     k_pool, v_pool = kv_cache.k.reshape(pool_shape), kv_cache.v.reshape(pool_shape)

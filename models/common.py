@@ -9,7 +9,6 @@ D model dim, F MLP hidden, V vocab, H query heads, K kv heads, Dh head dim, L la
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -51,10 +50,6 @@ class CheckpointRule:
     pattern: str
     field: str
     transform: Literal["linear", "reshape"] = "reshape"
-
-
-def dataclass_field_names(obj: object) -> list[str]:
-    return [f.name for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------

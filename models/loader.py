@@ -24,8 +24,7 @@ import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,9 @@ import ml_dtypes
 import numpy as np
 
 from models.common import CheckpointRule, ParamSpec
+
+if TYPE_CHECKING:
+    from models.registry import ModelConfig, ModelFamily
 
 DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 ORBAX_PARAMS_DIR = "params"
@@ -54,8 +56,8 @@ class LoadedModel:
     tokenizer files or a .gguf file; None when the checkpoint carries no tokenizer.
     """
 
-    family: ModuleType
-    config: Any
+    family: ModelFamily
+    config: ModelConfig
     weights: Any
     hf_config: dict
     tokenizer_source: str | None
@@ -252,7 +254,7 @@ def _match(name: str, rules: list[tuple[re.Pattern, CheckpointRule]]) -> tuple[C
     return rule, tuple(int(g) for g in m.groups())
 
 
-def _prepare_fields(family: ModuleType, cfg: Any, np_dtype: Any) -> tuple[dict[str, _Field], list]:
+def _prepare_fields(family: ModelFamily, cfg: Any, np_dtype: Any) -> tuple[dict[str, _Field], list]:
     specs = spec_leaves(family.param_specs(cfg))
     rules = [(re.compile(r.pattern), r) for r in family.checkpoint_rules(cfg)]
     fields: dict[str, _Field] = {}
@@ -307,7 +309,7 @@ def _check_complete(fields: dict[str, _Field]) -> None:
                 raise ValueError(f"missing tensor {_example_name(field.rule.pattern, index)} (field {path}{where})")
 
 
-def _assemble(family: ModuleType, cfg: Any, tensors: Iterable[tuple[str, np.ndarray]], np_dtype: Any) -> Any:
+def _assemble(family: ModelFamily, cfg: Any, tensors: Iterable[tuple[str, np.ndarray]], np_dtype: Any) -> Any:
     fields, rules = _prepare_fields(family, cfg, np_dtype)
     seen: set[str] = set()
     for name, array in tensors:
@@ -322,7 +324,7 @@ def _assemble(family: ModuleType, cfg: Any, tensors: Iterable[tuple[str, np.ndar
     return build_tree(family.param_specs(cfg), leaves)
 
 
-def load_from_tensors(family: ModuleType, cfg: Any, tensors: Mapping[str, np.ndarray], dtype: str = "bfloat16") -> Any:
+def load_from_tensors(family: ModelFamily, cfg: Any, tensors: Mapping[str, np.ndarray], dtype: str = "bfloat16") -> Any:
     """Weights from Hugging Face-named tensors (values may be numpy or jax arrays), validated against the specs."""
     np_dtype = numpy_dtype(dtype)
     return _assemble(family, cfg, ((name, tensors[name]) for name in tensors), np_dtype)
@@ -376,7 +378,7 @@ def _cast_fields(spec_tree: Any, leaves: Mapping[str, Any], dtype: str) -> Any:
     return build_tree(spec_tree, out)
 
 
-def load_from_pytree(family: ModuleType, cfg: Any, params: Any, dtype: str = "bfloat16") -> Any:
+def load_from_pytree(family: ModelFamily, cfg: Any, params: Any, dtype: str = "bfloat16") -> Any:
     """Weights from parameters already in memory, validated against `param_specs(cfg)` and cast to `dtype`.
 
     `params` is the family's weights dataclass, or a nested dict (a Flax param tree, with or without
@@ -441,7 +443,7 @@ def _save_tokenizer(source: Path, target: Path) -> None:
         json.dump({"eos_token_id": list(eos_ids)}, f)
 
 
-def load_orbax(path: str | os.PathLike, family: ModuleType, cfg: Any, dtype: str = "bfloat16") -> Any:
+def load_orbax(path: str | os.PathLike, family: ModelFamily, cfg: Any, dtype: str = "bfloat16") -> Any:
     """Restores an orbax checkpoint of the weights dataclass, checked against `param_specs(cfg)`, in `dtype`."""
     import orbax.checkpoint as ocp
 

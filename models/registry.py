@@ -1,19 +1,63 @@
-"""Maps Hugging Face `architectures` names to the family module that implements them.
+"""Maps Hugging Face `architectures` names to the family module that implements them, and the protocol
+every family satisfies.
 
-A family module exposes the model protocol (config class with `from_hf`, `param_specs`,
-`checkpoint_rules`, `init_weights`, `forward`, `compute_logits`); `resolve` returns the module and
-its config built from the checkpoint's config.json.
+A family module (`models/llama.py`) exposes `ModelFamily`: `param_specs`, `checkpoint_rules`,
+`init_weights`, `forward`, `compute_logits`, over a frozen config class with `from_hf` that satisfies
+`ModelConfig`; `resolve` returns the module and its config built from the checkpoint's config.json.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+from jaxtyping import Array, Float, Int
 
 from models import llama
+from models.attention import AttentionMetadata, KVCache
+from models.common import CheckpointRule
+
+
+class ModelConfig(Protocol):
+    """What the engine reads of a family's config; configs are frozen and hashable (jit static arguments)."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """A model family: a module whose functions build, load and run one architecture's weights tree."""
+
+    def param_specs(self, cfg: Any) -> Any:
+        """The weights tree with a ParamSpec (shape, logical axes) at every leaf."""
+
+    def checkpoint_rules(self, cfg: Any) -> list[CheckpointRule]:
+        """Hugging Face tensor names -> weight fields."""
+
+    def init_weights(self, cfg: Any, key: jax.Array, dtype: Any = ...) -> Any:
+        """Random weights for tests and benchmarks."""
+
+    def forward(
+        self,
+        weights: Any,
+        token_ids: Int[Array, " T"],
+        positions: Int[Array, " T"],
+        kv_cache: KVCache,
+        attn_meta: AttentionMetadata,
+        cfg: Any,
+    ) -> tuple[Float[Array, "T D"], KVCache]:
+        """Final-normed hidden states of a flat token batch, and the cache with its K/V written."""
+
+    def compute_logits(self, weights: Any, hidden: Float[Array, "T D"], cfg: Any) -> Float[Array, "T V"]:
+        """float32 logits of hidden states."""
+
 
 # Architecture name -> (family module, its config class).
-_ARCHITECTURES: dict[str, tuple[ModuleType, Any]] = {
+_ARCHITECTURES: dict[str, tuple[ModelFamily, Any]] = {
     "LlamaForCausalLM": (llama, llama.LlamaConfig),
     "MistralForCausalLM": (llama, llama.LlamaConfig),
     "Qwen2ForCausalLM": (llama, llama.LlamaConfig),
@@ -25,7 +69,7 @@ def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def resolve(hf_config: dict) -> tuple[ModuleType, Any]:
+def resolve(hf_config: dict) -> tuple[ModelFamily, Any]:
     """(family module, family config) for a Hugging Face config.json dict."""
     architectures = hf_config.get("architectures") or []
     if not architectures:

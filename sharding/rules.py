@@ -1,13 +1,17 @@
-"""Logical axes -> mesh axes: the one rules table that decides how every weight is split.
+"""Logical axes -> mesh axes: the one rules table that decides how every weight, the KV cache and the
+attention kernels' per-device operands are split.
 
-A model declares each weight's logical axes once (`models.common.ParamSpec`); this module maps them
-onto the mesh. A dimension that does not divide evenly over its mesh axis is replicated instead
-(e.g. 3 kv heads on tp=4), and that fallback is logged, never silent.
+A model declares each weight's logical axes once (`models.common.ParamSpec`), and so does the KV
+pool (`models.attention.paged_cache_specs`); this module maps them onto the mesh. A dimension that
+does not divide evenly over its mesh axis is replicated instead (e.g. 3 kv heads on tp=4), and that
+fallback is logged, never silent.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -33,8 +37,12 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 }
 
 
-def partition_spec(spec: ParamSpec, mesh: Mesh, name: str = "") -> PartitionSpec:
-    """The PartitionSpec of one weight; dimensions that do not divide their mesh axis are replicated."""
+def partition_spec(spec: ParamSpec, mesh: Mesh | Mapping[str, int], name: str = "") -> PartitionSpec:
+    """The PartitionSpec of one weight; dimensions that do not divide their mesh axis are replicated.
+
+    mesh: a Mesh, or its axis sizes ({"data": 1, "model": 4}) where only the arithmetic is wanted.
+    """
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
     axes: list[str | None] = []
     for dim, logical in zip(spec.shape, spec.logical_axes, strict=True):
         if logical is not None and logical not in LOGICAL_AXIS_RULES:
@@ -42,18 +50,30 @@ def partition_spec(spec: ParamSpec, mesh: Mesh, name: str = "") -> PartitionSpec
         mesh_axis = LOGICAL_AXIS_RULES.get(logical) if logical is not None else None
         if mesh_axis is not None and mesh_axis in axes:
             mesh_axis = None  # a mesh axis may split only one dimension of a tensor
-        if mesh_axis is not None and dim % mesh.shape[mesh_axis] != 0:
+        if mesh_axis is not None and dim % sizes[mesh_axis] != 0:
             logger.info(
                 "replicating %s dimension %r (size %d) instead of splitting it over %d %r devices",
                 name or "weight",
                 logical,
                 dim,
-                mesh.shape[mesh_axis],
+                sizes[mesh_axis],
                 mesh_axis,
             )
             mesh_axis = None
         axes.append(mesh_axis)
     return PartitionSpec(*axes)
+
+
+def shard_shape(spec: ParamSpec, mesh: Mesh | Mapping[str, int]) -> tuple[int, ...]:
+    """The shape of one device's shard of a tensor declared by `spec`."""
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+    split = partition_spec(spec, mesh)
+    return tuple(dim // (sizes[axis] if axis is not None else 1) for dim, axis in zip(spec.shape, split, strict=True))
+
+
+def shard_bytes(spec: ParamSpec, mesh: Mesh | Mapping[str, int], itemsize: int) -> int:
+    """Bytes of one device's shard of a tensor declared by `spec`."""
+    return math.prod(shard_shape(spec, mesh)) * itemsize
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:

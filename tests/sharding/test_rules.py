@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 from jax.sharding import PartitionSpec
 
 from models.common import ParamSpec
 from sharding.mesh import make_mesh
-from sharding.rules import partition_spec
+from sharding.rules import partition_spec, shard_bytes, shard_shape
 
-TP4 = SimpleNamespace(shape={"data": 1, "model": 4})  # partition_spec reads only mesh.shape
+TP4 = {"data": 1, "model": 4}  # a mesh's axis sizes: all the arithmetic needs
 
 
 def test_heads_and_mlp_split_over_model():
@@ -54,3 +53,11 @@ def test_make_mesh_names_missing_devices():
         make_mesh(tp=64)
     mesh = make_mesh(tp=1)
     assert mesh.axis_names == ("data", "model")
+
+
+def test_shard_shape_and_bytes_of_one_device():
+    pool = ParamSpec((2, 10, 16, 8, 64), ("layers", None, None, "kv_heads", "head_dim"))
+    assert shard_shape(pool, TP4) == (2, 10, 16, 2, 64)
+    assert shard_bytes(pool, TP4, itemsize=2) == 2 * 10 * 16 * 2 * 64 * 2
+    replicated = ParamSpec((2, 10, 16, 3, 64), ("layers", None, None, "kv_heads", "head_dim"))
+    assert shard_shape(replicated, TP4) == replicated.shape
