@@ -221,7 +221,7 @@ def bench_write_kv(results: dict) -> None:
         ok = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True))
         times = {}
         for name, fn in (("pallas", pk.write_kv), ("xla", pk.write_kv_reference)):
-            step = jax.jit(fn, donate_argnums=(0, 1))
+            step = jax.jit(fn, donate_argnames=("k_cache", "v_cache"))
             kc2, vc2 = step(kc + 0, vc + 0, kn, vn, slots)
             jax.block_until_ready(kc2)
             runs = []

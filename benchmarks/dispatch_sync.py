@@ -68,7 +68,7 @@ def make_variants(n: int, size: int):
             "lax.cond with heavy branches at the end": (jax.jit(heavy_cond), (x, w, flag)),
             "while_loop, data-dependent trip count": (jax.jit(dynamic_while), (x, w, flag)),
             "numpy input (host-to-device in the call)": (jax.jit(chain), (host_x, w)),
-            "donated input": (jax.jit(chain, donate_argnums=(0,)), None),
+            "donated input": (jax.jit(chain, donate_argnames=("x",)), None),
         },
         x,
         w,

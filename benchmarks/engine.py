@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: the model's")
-    parser.add_argument("--decode-sizes", default=None, help="comma-separated decode buckets (default: the seed's)")
+    parser.add_argument("--decode-sizes", default=None, help="comma-separated decode buckets (default: TensorRT-LLM's)")
     parser.add_argument("--token-buckets", default=None, help="comma-separated token buckets (default: powers of 2)")
     parser.add_argument("--cache-dir", default=None, help="persistent compilation cache directory")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed generate; top functions to stderr")

@@ -61,11 +61,11 @@ def main() -> None:
 
     scanned = jax.jit(
         lambda w, c: family.compute_logits(w, family.forward(w, tokens, positions, c, meta, cfg)[0], cfg),
-        donate_argnums=(1,),
+        donate_argnames=("c",),
     )
     unrolled = jax.jit(
         lambda w, ls, c: family.compute_logits(w, unrolled_forward(w, ls, tokens, positions, c, meta, cfg)[0], cfg),
-        donate_argnums=(2,),
+        donate_argnames=("c",),
     )
     a = scanned(weights, cache)
     cache = init_paged_cache(cfg, num_blocks, block, jnp.bfloat16)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from common import SMOLLM2_SHAPE
 
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.inputs import Bucket, BucketTable
+from jaxserve.inputs import Bucket, StepConfig, StepVariant
 from jaxserve.runner import Runner, RunnerSpec
 from models import registry
 
@@ -34,15 +34,14 @@ def main() -> None:
         max_seq_len=512,
         compile=CompileConfig(decode_batch_sizes=(args.batch,), token_buckets=(512,), penalty_variants=False),
     )
-    spec = RunnerSpec(family, cfg, BucketTable.from_config(config), jnp.bfloat16, args.backend, 512, 20, False)
-    runner = Runner(spec, weights)
+    steps = StepConfig.from_config(config, cfg.vocab_size)
+    runner = Runner(RunnerSpec(family, cfg, steps, jnp.bfloat16, args.backend, num_top_logprobs=20), weights)
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2
     num_blocks = int(args.pool_gib * 2**30 // per_block)
-    runner.allocate_kv_cache(num_blocks)
     pool_shape = f"bf16[{cfg.num_layers},{num_blocks},16,{cfg.num_kv_heads},{cfg.head_dim}]"
     flat_shape = f"bf16[{cfg.num_layers * num_blocks},16,{cfg.num_kv_heads},{cfg.head_dim}]"
-    for bucket in (Bucket(args.batch, args.batch), Bucket(512, args.batch)):
-        compiled = runner.compile_step(bucket, False)
+    for bucket in (Bucket(args.batch, args.batch, decode_only=True), Bucket(512, args.batch)):
+        compiled = runner.compile_step(bucket, StepVariant(), num_blocks)
         analysis = compiled.memory_analysis()
         pool_gib = num_blocks * per_block / 2**30
         print(

@@ -124,10 +124,6 @@ class BlockManager:
         """Blocks that hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether num_tokens tokens fit in fresh blocks now (prefix hits not counted)."""
-        return self.blocks_for(num_tokens) <= self.num_free_blocks
-
     # ---- prefix lookup and admission -----------------------------------------------------------
 
     def _max_reusable_blocks(self, request: Request) -> int:

@@ -1,7 +1,8 @@
-"""KV-cache capacity from measured memory: bytes per token and per block, the memory profile after
-the weights and the compiled step are in place, and the resulting number of KV blocks.
+"""KV-cache capacity from measured memory: bytes per token (from the pool's declaration and the rules
+table), the memory profile the runner measures once the weights and the largest compiled step are in
+place (`Runner.profile`), and the resulting number of KV blocks (`kv_budget`).
 
-DESIGN.md "KV cache and its capacity": on an accelerator,
+DESIGN.md "Runner lifecycle and KV capacity": on an accelerator,
     kv_bytes = (bytes_limit - bytes_in_use - activation_peak) * free_memory_fraction
 then capped by `KvCacheConfig.max_tokens` / `max_gpu_total_bytes`, and
     num_blocks = kv_bytes // bytes_per_block   (the smallest over the devices).
@@ -14,12 +15,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
+from models.attention import PagedKVCache
+from sharding.rules import shard_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +60,33 @@ def _backends_initialized() -> bool:
     return bool(getattr(xla_bridge, "_backends", {}))
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, tp: int = 1) -> int:
-    """K and V of one token over all layers, on one device: 2 x L x kv_heads_per_shard x Dh x bytes."""
-    kv_heads_per_shard = math.ceil(num_kv_heads / tp) if num_kv_heads % tp == 0 else num_kv_heads
-    return 2 * num_layers * kv_heads_per_shard * head_dim * np.dtype(dtype).itemsize
+def kv_bytes_per_token(cache_specs: PagedKVCache, mesh: Mesh | Mapping[str, int], dtype: np.dtype) -> int:
+    """K and V of one token over all layers on one device, from the pool's declaration
+    (`models.attention.paged_cache_specs`) split by the rules table: 2 x L x kv heads per device x Dh x bytes."""
+    itemsize = np.dtype(dtype).itemsize
+    num_slots = cache_specs.k.shape[1] * cache_specs.k.shape[2]  # blocks x block size
+    return sum(shard_bytes(spec, mesh, itemsize) for spec in (cache_specs.k, cache_specs.v)) // num_slots
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryProfile:
-    """Memory of one device once weights are loaded and the largest step is compiled (bytes)."""
+class DeviceMemory:
+    """One device once the weights are placed and the largest step is compiled and probed (bytes)."""
 
     bytes_limit: int
     bytes_in_use: int
     activation_peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """What the KV budget is computed from (`Runner.profile`).
+
+    devices: one entry per device of the mesh; empty where the platform reports no memory statistics
+    (CPU), in which case the budget comes from host memory.
+    """
+
+    kv_bytes_per_token: int
+    devices: tuple[DeviceMemory, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +136,10 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_budget(
-    config: EngineConfig, bytes_per_token: int, profiles: list[MemoryProfile] | None, host_bytes: int | None = None
-) -> KvBudget:
+def kv_budget(profile: MemoryProfile, config: EngineConfig, host_bytes: int | None = None) -> KvBudget:
     """The number of KV blocks from measured memory; raises a ValueError naming the knobs when too small."""
     kv_config, block_size = config.kv_cache, config.kv_cache.block_size
+    bytes_per_token, profiles = profile.kv_bytes_per_token, profile.devices
     bytes_per_block = bytes_per_token * block_size
     if profiles:
         free = [p.bytes_limit - p.bytes_in_use - p.activation_peak for p in profiles]

@@ -120,7 +120,7 @@ class CompileConfig:
     """Which step shapes are compiled ahead of time (the buckets that stand in for CUDA graphs).
 
     decode_batch_sizes: batch sizes of decode-only steps; None derives them from max_batch_size with
-        the seed's rules (see `inputs.BucketTable`). Stored sorted and deduplicated.
+        TensorRT-LLM's rules (see `inputs.BucketTable`). Stored sorted and deduplicated.
     token_buckets: token counts of mixed / prefill steps; None means powers of two up to
         max_num_tokens. Stored sorted and deduplicated; max_num_tokens is always added.
     enable_padding: pad a decode step up to the next decode batch size; without it a decode step
@@ -131,12 +131,10 @@ class CompileConfig:
     prompt_logprobs: also compile every token bucket with logprobs at every prompt position, which
         SamplingParams.prompt_logprobs needs (like TensorRT-LLM's gather_context_logits); without it such a
         request is refused.
-    greedy_variants: also compile every bucket as an all-greedy step (an argmax, no conditionals), used
-        for steps whose rows are all greedy without penalties or logprobs. The general step skips the
-        sampler's work with device-side conditionals, and on a GPU a conditional with real work makes
-        the step's call wait for the device (docs/benchmarks.md, third 8B run), so the host cannot
-        prepare the next step meanwhile; the greedy step's call returns at once. Costs one more compile
-        per bucket; off until a GPU run weighs the two.
+    greedy_variants: also compile every bucket as an all-greedy step (an argmax, no device-side
+        conditionals), used for steps whose rows are all greedy without penalties or logprobs; its call
+        returns before the device runs it, where the general step's waits (docs/benchmarks.md, third 8B
+        run). Costs one more compile per bucket.
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None
@@ -165,13 +163,14 @@ class CompileConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Resolved limits of one engine; build it with `make_engine_config` to get the seed's defaults.
+    """Resolved limits of one engine; build it with `make_engine_config` to get TensorRT-LLM's defaults.
 
     max_batch_size: sequences per step (>= 1).
     max_num_tokens: tokens per step (>= 1).
     max_seq_len: prompt + generated tokens of one sequence (>= 2: one prompt token and one new token).
     attention_backend: "pallas", "xla", or "auto" (pallas on GPU, xla elsewhere).
-    dtype: weights / activations / KV dtype: "auto" (the checkpoint's), "float32", "bfloat16", "float16".
+    dtype: weights / activations / KV dtype: "auto" (the weights' as given), "float32", "bfloat16",
+        "float16" (the weights are cast to it when placed on the devices).
     """
 
     max_batch_size: int
@@ -278,7 +277,7 @@ def make_engine_config(
     attention_backend: AttentionBackend = "auto",
     dtype: str = "auto",
 ) -> EngineConfig:
-    """An EngineConfig whose max_seq_len and max_num_tokens follow the seed's inference rules."""
+    """An EngineConfig whose max_seq_len and max_num_tokens follow TensorRT-LLM's inference rules."""
     seq_len = infer_max_seq_len(hf_config, max_seq_len)
     return EngineConfig(
         max_batch_size=max_batch_size,

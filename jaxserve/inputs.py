@@ -1,7 +1,14 @@
-"""ScheduledBatch -> the step function's inputs: the flat token batch of DESIGN.md as numpy int32
-arrays padded to a bucket, the per-row sampling arrays, and the bucket table itself.
+"""ScheduledBatch -> what one compiled step receives: the bucket table, the step variants, and
+`StepInputs`, the flat token batch of DESIGN.md with the per-row sampling arrays and the per-step
+extras, as numpy arrays padded to a bucket.
 
-Bucket rules (they stand in for the seed's CUDA graph batch sizes):
+    inputs, bucket, variant = make_step_inputs(batch, previous, step_config)
+
+`make_step_inputs` is the only place that builds StepInputs (`padding_inputs` declares every array's
+shape, dtype and padding value once); the runner compiles one step per `StepConfig.compiled_steps()`
+entry and runs `compiled[bucket, variant]`.
+
+Bucket rules (they stand in for TensorRT-LLM's CUDA graph batch sizes):
 - decode-only steps use T = B from the decode batch sizes: CudaGraphConfig._generate_cuda_graph_batch_sizes
   when the user gives none, then _filter_cuda_graph_batch_sizes (model_engine.py): sizes above
   min(max_batch_size, max_num_tokens) are dropped, and with padding the first one above that cap is
@@ -14,20 +21,22 @@ Bucket rules (they stand in for the seed's CUDA graph batch sizes):
 Padding tokens have token 0, position 0 and write their K/V to block 0 (reserved); padding rows own
 no tokens (their cu_q_lens entries repeat the real token count) and have kv_len 0.
 
-Host policy: no jax here.
+Host policy: no jax here (the runner and the sampler register these types as pytrees).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 from jaxtyping import Bool, Float32, Int32, UInt32
 
 from jaxserve.block_manager import RESERVED_BLOCK
 from jaxserve.config import CompileConfig, EngineConfig
+from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ScheduledBatch
 
 # Smallest default token bucket: a shorter mixed step costs the same padded to 16, and every bucket
@@ -162,9 +171,202 @@ class BucketTable:
         return Bucket(self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)], self.max_batch_size)
 
 
+# ---- step variants ------------------------------------------------------------------------------
+
+# EOS and stop ids a row may ban while it has fewer than min_tokens outputs.
+MAX_BANNED_TOKENS = 8
+NO_TARGET = -1  # a flat token whose next token is not a prompt token (or whose request wants no prompt logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class StepVariant:
+    """The static choices of a compiled step besides its shape, chosen per step on the host.
+
+    greedy: every row is greedy and none asks for logprobs: an argmax with no device-side conditional
+        (why that matters: docs/benchmarks.md, third 8B run).
+    penalties: the step receives each row's token history for the repetition / presence / frequency
+        penalties.
+    prompt_logprobs: the step also scores every flat token's next prompt token (token buckets only).
+    """
+
+    greedy: bool = False
+    penalties: bool = False
+    prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.greedy and (self.penalties or self.prompt_logprobs):
+            raise ValueError("a greedy step variant has neither penalties nor prompt logprobs")
+
+    def __str__(self) -> str:
+        return "+".join(name for name in ("greedy", "penalties", "prompt_logprobs") if getattr(self, name)) or "general"
+
+
+def has_penalty(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepConfig:
+    """What fixes the compiled steps' inputs besides the model: the buckets, the variants compiled at
+    warmup, and the padding ids. One enumeration (`compiled_steps`) serves warmup, the capacity probe
+    (`largest_step`) and the check of every step the engine runs.
+
+    vocab_size: the out-of-vocabulary id that pads banned tokens and token histories.
+    max_seq_len: the width of a token history.
+    """
+
+    buckets: BucketTable
+    vocab_size: int
+    max_seq_len: int
+    penalty_variants: bool = False
+    prompt_logprob_variants: bool = False
+    greedy_variants: bool = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, vocab_size: int) -> StepConfig:
+        compile_config = config.compile
+        return cls(
+            buckets=BucketTable.from_config(config),
+            vocab_size=vocab_size,
+            max_seq_len=config.max_seq_len,
+            penalty_variants=compile_config.penalty_variants,
+            prompt_logprob_variants=compile_config.prompt_logprobs,
+            greedy_variants=compile_config.greedy_variants,
+        )
+
+    def variants(self, bucket: Bucket) -> tuple[StepVariant, ...]:
+        """The variants compiled for one bucket: general (with penalties too, when compiled), prompt
+        logprobs for token buckets, greedy."""
+        penalties = (False, True) if self.penalty_variants else (False,)
+        variants = [StepVariant(penalties=p) for p in penalties]
+        if self.prompt_logprob_variants and not bucket.decode_only:
+            variants += [StepVariant(penalties=p, prompt_logprobs=True) for p in penalties]
+        if self.greedy_variants:
+            variants.append(StepVariant(greedy=True))
+        return tuple(variants)
+
+    def compiled_steps(self) -> tuple[tuple[Bucket, StepVariant], ...]:
+        """Every (bucket, variant) compiled at warmup: the keys of the runner's table."""
+        return tuple((bucket, variant) for bucket in self.buckets.buckets for variant in self.variants(bucket))
+
+    def largest_step(self) -> tuple[Bucket, StepVariant]:
+        """The compiled step with the largest activations, which the capacity probe runs: the most tokens,
+        then rows, a token bucket over a decode one, then prompt logprobs and penalties when compiled."""
+
+        def size(step: tuple[Bucket, StepVariant]) -> tuple[int, int, bool, bool, bool]:
+            bucket, variant = step
+            shape = (bucket.num_tokens, bucket.num_seqs, not bucket.decode_only)
+            return (*shape, variant.prompt_logprobs, variant.penalties)
+
+        return max(self.compiled_steps(), key=size)
+
+    def choose_variant(self, batch: ScheduledBatch) -> StepVariant:
+        """The variant a batch needs: penalties or prompt logprobs when a row asks, greedy when allowed."""
+        params = [row.request.sampling_params for row in batch.rows]
+        penalties = any(has_penalty(p) for p in params)
+        scoring = [row.request.sampling_params.prompt_logprobs is not None for row in batch.rows if row.is_prefill]
+        prompt_logprobs = any(scoring)
+        greedy = (
+            self.greedy_variants
+            and not (penalties or prompt_logprobs)
+            and all(p.is_greedy and p.logprobs is None for p in params)
+        )
+        return StepVariant(greedy=greedy, penalties=penalties, prompt_logprobs=prompt_logprobs)
+
+    def check_supported(self, params: SamplingParams, num_eos_tokens: int) -> None:
+        """Raises a ValueError naming the knob when a request needs a variant this engine does not compile."""
+        if params.prompt_logprobs is not None and not self.prompt_logprob_variants:
+            raise ValueError("prompt_logprobs needs CompileConfig(prompt_logprobs=True) at engine start")
+        if has_penalty(params) and not self.penalty_variants:
+            raise ValueError(
+                "repetition/presence/frequency penalties need CompileConfig(penalty_variants=True) at engine start"
+            )
+        if params.min_tokens and num_eos_tokens + len(params.stop_token_ids) > MAX_BANNED_TOKENS:
+            raise ValueError(
+                f"min_tokens can hold back at most {MAX_BANNED_TOKENS} EOS / stop token ids; "
+                f"got {num_eos_tokens + len(params.stop_token_ids)}"
+            )
+
+
+# ---- step inputs --------------------------------------------------------------------------------
+
+
+def _column(dtype: type[np.generic], neutral: float) -> Any:
+    """A per-row sampling column: its dtype and the value that switches its feature off (padding rows)."""
+    return field(metadata={"dtype": dtype, "neutral": neutral})
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingInputs:
+    """Per-row sampling parameters of one step, padded to B rows with neutral (greedy) values.
+
+    A row is greedy when its temperature is below 1e-5 or its top_k is 1; top_k 0 means no top-k
+    limit. seed is meaningful where has_seed. generation_index is the index among its sequence's
+    outputs of the token the row samples: with the seed it keys the row's PRNG, so a seeded sequence
+    samples the same tokens whatever else shares its batch (and again after a preemption).
+    """
+
+    temperature: Float32[np.ndarray, " B"] = _column(np.float32, 0.0)
+    top_k: Int32[np.ndarray, " B"] = _column(np.int32, 0)
+    top_p: Float32[np.ndarray, " B"] = _column(np.float32, 1.0)
+    min_p: Float32[np.ndarray, " B"] = _column(np.float32, 0.0)
+    repetition_penalty: Float32[np.ndarray, " B"] = _column(np.float32, 1.0)
+    presence_penalty: Float32[np.ndarray, " B"] = _column(np.float32, 0.0)
+    frequency_penalty: Float32[np.ndarray, " B"] = _column(np.float32, 0.0)
+    seed: UInt32[np.ndarray, " B"] = _column(np.uint32, 0)
+    has_seed: Bool[np.ndarray, " B"] = _column(np.bool_, False)
+    generation_index: Int32[np.ndarray, " B"] = _column(np.int32, 0)
+
+    @classmethod
+    def neutral(cls, num_rows: int) -> SamplingInputs:
+        """num_rows greedy rows with every feature off."""
+        if num_rows < 1:
+            raise ValueError(f"SamplingInputs.neutral: num_rows must be >= 1, got {num_rows}")
+        return cls(**{f.name: np.full(num_rows, f.metadata["neutral"], f.metadata["dtype"]) for f in fields(cls)})
+
+    @classmethod
+    def from_columns(cls, **columns: Any) -> SamplingInputs:
+        """From one array-like per field, cast to the field's dtype; every column must have shape (B,).
+
+        Seeds are taken modulo 2**32 (the device PRNG's seed width), as `Request.seed` does.
+        """
+        names = [f.name for f in fields(cls)]
+        if sorted(columns) != sorted(names):
+            missing, extra = sorted(set(names) - set(columns)), sorted(set(columns) - set(names))
+            raise ValueError(f"SamplingInputs: missing columns {missing}, unknown columns {extra}")
+        columns = {**columns, "seed": np.asarray(columns["seed"]).astype(np.int64) % 2**32}
+        arrays = {f.name: np.asarray(columns[f.name], dtype=f.metadata["dtype"]) for f in fields(cls)}
+        shape = arrays["temperature"].shape
+        for name, array in arrays.items():
+            if array.shape != shape or len(shape) != 1:
+                raise ValueError(f"SamplingInputs column {name} has shape {array.shape}; expected (B,) = {shape}")
+        return cls(**arrays)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """Each row's prompt then output tokens, for the repetition / presence / frequency penalties.
+
+    token_ids is padded with the vocabulary size (out of range: the sampler's scatters drop it). A row
+    whose last input token is still on the device (overlap) has padding at that position; the step
+    fills it with the carried token, like token_ids.
+    """
+
+    token_ids: Int32[np.ndarray, "B S"]
+    num_prompt_tokens: Int32[np.ndarray, " B"]
+
+
 @dataclass(frozen=True, slots=True)
 class StepInputs:
-    """The flat token batch of one step (DESIGN.md "Flat token batch"), numpy int32, padded to a bucket."""
+    """Everything one compiled step receives besides the weights, the KV cache and the device state
+    (DESIGN.md "Flat token batch"): numpy on the host, the same type (as a pytree) inside the step.
+
+    carried_mask / carried_source: row b's last input token is the previous step's sample of row
+        carried_source[b] (overlap); the step writes it into token_ids[logits_indices[b]].
+    banned_tokens: ids row b may not sample this step (min_tokens), padded with the vocabulary size.
+    want_logprobs: some row asked for logprobs (the general variants compute them only then).
+    history / prompt_targets: present exactly in the penalties / prompt-logprobs variants.
+    """
 
     token_ids: Int32[np.ndarray, " T"]
     positions: Int32[np.ndarray, " T"]
@@ -174,62 +376,169 @@ class StepInputs:
     block_table: Int32[np.ndarray, "B M"]
     logits_indices: Int32[np.ndarray, " B"]
     num_seqs: Int32[np.ndarray, ""]
-    bucket: Bucket  # the compiled shape these arrays are padded to
+    carried_mask: Bool[np.ndarray, " B"]
+    carried_source: Int32[np.ndarray, " B"]
+    banned_tokens: Int32[np.ndarray, "B NB"]
+    want_logprobs: Bool[np.ndarray, ""]
+    sampling: SamplingInputs
+    history: TokenHistory | None = None
+    prompt_targets: Int32[np.ndarray, " T"] | None = None
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Field name -> array, in declaration order (for moving them to the device)."""
-        return {name: getattr(self, name) for name in self.__slots__ if name != "bucket"}
+
+def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> StepInputs:
+    """An all-padding step of one compiled shape: the one declaration of every input's shape, dtype and
+    padding value. make_step_inputs fills one in; the runner compiles for its shapes and the capacity
+    probe runs it as it is.
+
+    Padding tokens have token 0, position 0 and write their K/V to block 0 (reserved); padding rows
+    own no tokens and have kv_len 0.
+    """
+    T, B, M = bucket.num_tokens, bucket.num_seqs, config.buckets.max_blocks_per_seq
+
+    def ints(shape: int | tuple[int, ...], value: int = 0) -> np.ndarray:
+        return np.full(shape, value, dtype=np.int32)
+
+    history = TokenHistory(ints((B, config.max_seq_len), config.vocab_size), ints(B)) if variant.penalties else None
+    return StepInputs(
+        token_ids=ints(T),
+        positions=ints(T),
+        slot_mapping=ints(T, RESERVED_BLOCK * config.buckets.block_size),
+        cu_q_lens=ints(B + 1),
+        kv_lens=ints(B),
+        block_table=ints((B, M), RESERVED_BLOCK),
+        logits_indices=ints(B),
+        num_seqs=ints(()),
+        carried_mask=np.zeros(B, dtype=np.bool_),
+        carried_source=ints(B),
+        banned_tokens=ints((B, MAX_BANNED_TOKENS), config.vocab_size),
+        want_logprobs=np.zeros((), dtype=np.bool_),
+        sampling=SamplingInputs.neutral(B),
+        history=history,
+        prompt_targets=ints(T, NO_TARGET) if variant.prompt_logprobs else None,
+    )
 
 
-def make_step_inputs(batch: ScheduledBatch, buckets: BucketTable) -> StepInputs:
-    """Packs the batch's rows token-major into the smallest bucket that holds them."""
+def make_step_inputs(
+    batch: ScheduledBatch, previous: ScheduledBatch | None, config: StepConfig
+) -> tuple[StepInputs, Bucket, StepVariant]:
+    """The one place a step's inputs are built: the batch's rows packed token-major into the smallest
+    bucket that holds them, for the variant they need. `previous` is the step still in flight, whose
+    samples are this step's pending input tokens."""
     rows = batch.rows
     if not rows:
         raise ValueError("cannot build step inputs for an empty batch")
     n = len(rows)
     q_lens = np.fromiter((row.num_tokens for row in rows), dtype=np.int32, count=n)
+    bucket = config.buckets.lookup(int(q_lens.sum()), n, batch.is_decode_only)
+    variant = config.choose_variant(batch)
+    inputs = padding_inputs(bucket, variant, config)
+    _fill_flat_batch(inputs, batch, q_lens, config.buckets)
+    _fill_carried(inputs, batch, previous)
+    _fill_banned(inputs, batch)
+    _fill_sampling(inputs.sampling, batch)
+    inputs.want_logprobs[()] = any(row.request.sampling_params.logprobs is not None for row in rows)
+    if inputs.history is not None:
+        _fill_history(inputs.history, batch)
+    if inputs.prompt_targets is not None:
+        _fill_prompt_targets(inputs.prompt_targets, batch)
+    return inputs, bucket, variant
+
+
+def _fill_flat_batch(inputs: StepInputs, batch: ScheduledBatch, q_lens: np.ndarray, buckets: BucketTable) -> None:
+    """Tokens, positions, slots, sequence boundaries and block tables of the batch's rows."""
+    rows, n = batch.rows, len(batch.rows)
     starts = np.fromiter((row.start for row in rows), dtype=np.int32, count=n)
     num_real = int(q_lens.sum())
-    bucket = buckets.lookup(num_real, n, batch.is_decode_only)
-
-    cu_q_lens = np.full(bucket.num_seqs + 1, num_real, dtype=np.int32)
-    cu_q_lens[0] = 0
-    cu_q_lens[1 : n + 1] = np.cumsum(q_lens)
-    kv_lens = np.zeros(bucket.num_seqs, dtype=np.int32)
-    kv_lens[:n] = starts + q_lens
-    logits_indices = np.zeros(bucket.num_seqs, dtype=np.int32)
-    logits_indices[:n] = cu_q_lens[1 : n + 1] - 1
+    inputs.cu_q_lens[1 : n + 1] = np.cumsum(q_lens)
+    inputs.cu_q_lens[n + 1 :] = num_real
+    inputs.kv_lens[:n] = starts + q_lens
+    inputs.logits_indices[:n] = inputs.cu_q_lens[1 : n + 1] - 1
+    inputs.num_seqs[()] = n
 
     row_of_token = np.repeat(np.arange(n), q_lens)
-    real_positions = np.repeat(starts - cu_q_lens[:n], q_lens) + np.arange(num_real, dtype=np.int32)
-    positions = np.zeros(bucket.num_tokens, dtype=np.int32)
-    positions[:num_real] = real_positions
-
-    block_table = _block_table(batch, buckets, bucket.num_seqs, kv_lens)
-    slot_mapping = np.full(bucket.num_tokens, RESERVED_BLOCK * buckets.block_size, dtype=np.int32)
-    block_of_token = block_table[row_of_token, real_positions // buckets.block_size]
-    slot_mapping[:num_real] = block_of_token * buckets.block_size + real_positions % buckets.block_size
-
-    return StepInputs(
-        token_ids=_token_ids(batch, bucket.num_tokens, cu_q_lens[:n]),
-        positions=positions,
-        slot_mapping=slot_mapping,
-        cu_q_lens=cu_q_lens,
-        kv_lens=kv_lens,
-        block_table=block_table,
-        logits_indices=logits_indices,
-        num_seqs=np.array(n, dtype=np.int32),
-        bucket=bucket,
-    )
+    positions = np.repeat(starts - inputs.cu_q_lens[:n], q_lens) + np.arange(num_real, dtype=np.int32)
+    inputs.positions[:num_real] = positions
+    _fill_block_table(inputs.block_table, batch, inputs.kv_lens, buckets)
+    block_of_token = inputs.block_table[row_of_token, positions // buckets.block_size]
+    inputs.slot_mapping[:num_real] = block_of_token * buckets.block_size + positions % buckets.block_size
+    _fill_token_ids(inputs.token_ids, batch, inputs.cu_q_lens[:n])
 
 
-NO_TARGET = -1  # a flat token whose next token is not a prompt token (or whose request wants no prompt logprobs)
+def _fill_token_ids(token_ids: np.ndarray, batch: ScheduledBatch, row_offsets: np.ndarray) -> None:
+    """Host-known input tokens at their flat positions; pending ones (and padding) stay 0."""
+    rows = batch.rows
+    known = np.fromiter((len(row.token_ids) for row in rows), dtype=np.int32, count=len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(row.token_ids for row in rows), dtype=np.int32)
+    known_offsets = np.cumsum(known) - known
+    destinations = np.repeat(row_offsets - known_offsets, known) + np.arange(flat.shape[0], dtype=np.int32)
+    token_ids[destinations] = flat
 
 
-def make_prompt_targets(batch: ScheduledBatch, num_tokens: int) -> np.ndarray:
-    """For each flat token of the step, the prompt token that follows it when its request asked for prompt
-    logprobs (the logprob of prompt position p + 1 is read at position p), else NO_TARGET."""
-    targets = np.full(num_tokens, NO_TARGET, dtype=np.int32)
+def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndarray, buckets: BucketTable) -> None:
+    """Each row holds the blocks covering its kv_len; the rest point at block 0."""
+    for i, row in enumerate(batch.rows):
+        num_blocks = -(-int(kv_lens[i]) // buckets.block_size)
+        if num_blocks > buckets.max_blocks_per_seq or num_blocks > len(row.block_ids):
+            raise ValueError(
+                f"request {row.request.request_id}[{row.request.index}] needs {num_blocks} blocks for "
+                f"{kv_lens[i]} tokens; it holds {len(row.block_ids)}, a block table row {buckets.max_blocks_per_seq}"
+            )
+        table[i, :num_blocks] = row.block_ids[:num_blocks]
+
+
+def _fill_carried(inputs: StepInputs, batch: ScheduledBatch, previous: ScheduledBatch | None) -> None:
+    """Which rows take their last input token from `previous`'s samples, and from which of its rows."""
+    sampling_rows = {} if previous is None else {id(r.request): i for i, r in enumerate(previous.rows) if r.samples}
+    for b, row in enumerate(batch.rows):
+        if not row.input_pending:
+            continue
+        source = sampling_rows.get(id(row.request))
+        if source is None:
+            raise ValueError(
+                f"request {row.request.request_id}[{row.request.index}] waits for a token the previous step "
+                "did not sample"
+            )
+        inputs.carried_mask[b] = True
+        inputs.carried_source[b] = source
+
+
+def _fill_banned(inputs: StepInputs, batch: ScheduledBatch) -> None:
+    """EOS and stop ids a row may not sample yet (min_tokens)."""
+    for b, row in enumerate(batch.rows):
+        params = row.request.sampling_params
+        if row.generation_index < params.min_tokens:
+            ids = [*row.request.eos_token_ids, *params.stop_token_ids][:MAX_BANNED_TOKENS]
+            inputs.banned_tokens[b, : len(ids)] = ids
+
+
+def _fill_sampling(sampling: SamplingInputs, batch: ScheduledBatch) -> None:
+    """The rows' sampling parameters over the neutral padding."""
+    n = len(batch.rows)
+    params = [row.request.sampling_params for row in batch.rows]
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        getattr(sampling, name)[:n] = [getattr(p, name) for p in params]
+    sampling.top_k[:n] = [p.top_k or 0 for p in params]
+    seeds = [row.request.seed for row in batch.rows]
+    sampling.seed[:n] = [s or 0 for s in seeds]
+    sampling.has_seed[:n] = [s is not None for s in seeds]
+    sampling.generation_index[:n] = [row.generation_index for row in batch.rows]
+
+
+def _fill_history(history: TokenHistory, batch: ScheduledBatch) -> None:
+    """Each row's known prompt and output tokens (the pending one, if any, is filled on the device)."""
+    history_len = history.token_ids.shape[1]
+    for b, row in enumerate(batch.rows):
+        request = row.request
+        known = request.token_ids[: min(row.start + row.num_tokens, len(request.token_ids))]
+        if len(known) > history_len:
+            raise ValueError(f"a token history of {history_len} cannot hold {len(known)} tokens")
+        history.token_ids[b, : len(known)] = known
+        history.num_prompt_tokens[b] = request.num_prompt_tokens
+
+
+def _fill_prompt_targets(targets: np.ndarray, batch: ScheduledBatch) -> None:
+    """For each flat token of a scoring row, the prompt token after it (the logprob of prompt position
+    p + 1 is read at position p); NO_TARGET elsewhere."""
     offset = 0
     for row in batch.rows:
         request = row.request
@@ -241,143 +550,3 @@ def make_prompt_targets(batch: ScheduledBatch, num_tokens: int) -> np.ndarray:
                 follows, prompt[np.minimum(positions + 1, len(prompt) - 1)], NO_TARGET
             )
         offset += row.num_tokens
-    return targets
-
-
-def _token_ids(batch: ScheduledBatch, num_tokens: int, row_offsets: np.ndarray) -> np.ndarray:
-    """Host-known input tokens at their flat positions; pending ones (and padding) stay 0."""
-    rows = batch.rows
-    known = np.fromiter((len(row.token_ids) for row in rows), dtype=np.int32, count=len(rows))
-    flat = np.fromiter(itertools.chain.from_iterable(row.token_ids for row in rows), dtype=np.int32)
-    known_offsets = np.cumsum(known) - known
-    destinations = np.repeat(row_offsets - known_offsets, known) + np.arange(flat.shape[0], dtype=np.int32)
-    token_ids = np.zeros(num_tokens, dtype=np.int32)
-    token_ids[destinations] = flat
-    return token_ids
-
-
-def _block_table(batch: ScheduledBatch, buckets: BucketTable, num_rows: int, kv_lens: np.ndarray) -> np.ndarray:
-    """[B, M] block ids; each row holds the blocks covering its kv_len, the rest point at block 0."""
-    table = np.full((num_rows, buckets.max_blocks_per_seq), RESERVED_BLOCK, dtype=np.int32)
-    for i, row in enumerate(batch.rows):
-        num_blocks = -(-int(kv_lens[i]) // buckets.block_size)
-        if num_blocks > buckets.max_blocks_per_seq or num_blocks > len(row.block_ids):
-            raise ValueError(
-                f"request {row.request.request_id}[{row.request.index}] needs {num_blocks} blocks for "
-                f"{kv_lens[i]} tokens; it holds {len(row.block_ids)}, a block table row {buckets.max_blocks_per_seq}"
-            )
-        table[i, :num_blocks] = row.block_ids[:num_blocks]
-    return table
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingInputs:
-    """Per-row sampling parameters of one step, padded to B rows with neutral (greedy) values.
-
-    The fields are those of `sampler.SamplingTensors` (build it with
-    `SamplingTensors.from_arrays(**inputs.arrays())`). A row is greedy when its temperature is below
-    1e-5 or its top_k is 1; top_k 0 means no top-k limit. seed is meaningful where has_seed.
-    generation_index is the index among its sequence's outputs of the token the row samples: with
-    the seed it keys the row's PRNG, so a seeded sequence samples the same tokens whatever else
-    shares its batch (and again after a preemption).
-    """
-
-    temperature: Float32[np.ndarray, " B"]
-    top_k: Int32[np.ndarray, " B"]
-    top_p: Float32[np.ndarray, " B"]
-    min_p: Float32[np.ndarray, " B"]
-    repetition_penalty: Float32[np.ndarray, " B"]
-    presence_penalty: Float32[np.ndarray, " B"]
-    frequency_penalty: Float32[np.ndarray, " B"]
-    seed: UInt32[np.ndarray, " B"]
-    has_seed: Bool[np.ndarray, " B"]
-    generation_index: Int32[np.ndarray, " B"]
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Field name -> array, in declaration order."""
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
-def make_sampling_inputs(batch: ScheduledBatch, num_rows: int) -> SamplingInputs:
-    """The sampling arrays of the batch's rows, padded to num_rows (the bucket's B) with neutral rows."""
-    n = len(batch.rows)
-    if n > num_rows:
-        raise ValueError(f"{n} rows do not fit in {num_rows}")
-    params = [row.request.sampling_params for row in batch.rows]
-    seeds = [row.request.seed for row in batch.rows]
-
-    def column(values: list, dtype: type, pad: float | int | bool) -> np.ndarray:
-        out = np.full(num_rows, pad, dtype=dtype)
-        out[:n] = values
-        return out
-
-    return SamplingInputs(
-        temperature=column([p.temperature for p in params], np.float32, 0.0),
-        top_k=column([p.top_k or 0 for p in params], np.int32, 0),
-        top_p=column([p.top_p for p in params], np.float32, 1.0),
-        min_p=column([p.min_p for p in params], np.float32, 0.0),
-        repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
-        presence_penalty=column([p.presence_penalty for p in params], np.float32, 0.0),
-        frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0.0),
-        seed=column([s or 0 for s in seeds], np.uint32, 0),
-        has_seed=column([s is not None for s in seeds], np.bool_, False),
-        generation_index=column([row.generation_index for row in batch.rows], np.int32, 0),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class TokenHistory:
-    """Each row's prompt then output tokens, for the repetition / presence / frequency penalties.
-
-    token_ids is padded with pad_id (the sampler's out-of-vocabulary sentinel). A row whose last input
-    token is still on the device (overlap) has pad_id at that position, positions[logits_indices[b]];
-    the engine fills it with the carried token like token_ids.
-    """
-
-    token_ids: Int32[np.ndarray, "B S"]
-    num_prompt_tokens: Int32[np.ndarray, " B"]
-
-
-def make_token_history(batch: ScheduledBatch, num_rows: int, history_len: int, pad_id: int) -> TokenHistory:
-    """The [num_rows, history_len] token history of the batch's rows (history_len >= max_seq_len)."""
-    token_ids = np.full((num_rows, history_len), pad_id, dtype=np.int32)
-    num_prompt_tokens = np.zeros(num_rows, dtype=np.int32)
-    for b, row in enumerate(batch.rows):
-        request = row.request
-        known = request.token_ids[: min(row.start + row.num_tokens, len(request.token_ids))]
-        if len(known) > history_len:
-            raise ValueError(f"a token history of {history_len} cannot hold {len(known)} tokens")
-        token_ids[b, : len(known)] = known
-        num_prompt_tokens[b] = request.num_prompt_tokens
-    return TokenHistory(token_ids=token_ids, num_prompt_tokens=num_prompt_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class CarriedTokens:
-    """Input tokens still on the device (overlap): row b's last input is the previous step's sample.
-
-    Where mask[b], the engine writes previous_sampled[source_row[b]] into token_ids[logits_indices[b]]
-    on the device; elsewhere source_row is 0 and ignored.
-    """
-
-    mask: Bool[np.ndarray, " B"]
-    source_row: Int32[np.ndarray, " B"]
-
-
-def carried_tokens(batch: ScheduledBatch, previous: ScheduledBatch | None, num_rows: int) -> CarriedTokens:
-    """Which rows of `batch` take their last input token from `previous`'s sampled tokens, and from which row."""
-    mask = np.zeros(num_rows, dtype=np.bool_)
-    source_row = np.zeros(num_rows, dtype=np.int32)
-    sampling_rows = {} if previous is None else {id(r.request): i for i, r in enumerate(previous.rows) if r.samples}
-    for b, row in enumerate(batch.rows):
-        if not row.input_pending:
-            continue
-        source = sampling_rows.get(id(row.request))
-        if source is None:
-            raise ValueError(
-                f"request {row.request.request_id}[{row.request.index}] waits for a token the previous step "
-                "did not sample"
-            )
-        mask[b] = True
-        source_row[b] = source
-    return CarriedTokens(mask=mask, source_row=source_row)

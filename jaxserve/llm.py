@@ -1,7 +1,7 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, `chat`, `stream`.
 
 A thin layer over `Engine`: it loads the model (a name, a path, or parameters already in memory),
-derives the engine limits with the seed's rules, and drives the step loop.
+derives the engine limits with TensorRT-LLM's rules, and drives the step loop.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class LLM:
     model: the default name (`smollm2-135m-instruct`), a Hugging Face directory, a .gguf file, an orbax
         checkpoint directory, a hub id, or a `LoadedModel` (e.g. from `models.loader.load_from_pytree`
         for parameters just trained).
+    dtype: "auto" loads a checkpoint in bfloat16 on an accelerator and float32 on CPU and serves a
+        `LoadedModel` in its own dtype; "float32" / "bfloat16" / "float16" loads, or casts, the weights to it.
     max_batch_size: sequences per step (default 256 on GPU, 8 on CPU); max_num_tokens: tokens per
         step (default 8192, at most max_batch_size * max_seq_len); max_seq_len: from the model config
         when None (a larger value is lowered to it, with a warning).

@@ -1,12 +1,12 @@
 """Who runs in the next step and with how many tokens: TensorRT-LLM's capacity and micro-batch policies.
 
 Each step (`schedule`):
-1. decode rows of running requests, one token each, in admission order (the seed's micro-batch
+1. decode rows of running requests, one token each, in admission order (TensorRT-LLM's micro-batch
    scheduler serves generation requests before context chunks);
 2. the next prompt chunk of running requests still in prefill (chunked prefill, FCFS);
 3. admission of waiting requests in FCFS order, counting prefix-cache hits, while the step has room
    (max_batch_size sequences, max_num_tokens tokens) and the capacity policy allows it.
-The batch lists prefill chunks first, then decode rows (the seed's order, DESIGN "Flat token batch").
+The batch lists prefill chunks first, then decode rows (TensorRT-LLM's order, DESIGN "Flat token batch").
 
 Capacity policies (`config.CapacityPolicy`), after PyCapacityScheduler:
 - GUARANTEED_NO_EVICT admits a request only if the blocks for its whole life (prompt + max_tokens,
@@ -287,7 +287,7 @@ class Scheduler:
                     continue
                 fork_parent = parent
             if not self._try_admit(request, fork_parent, plan):
-                return  # FCFS: head-of-line blocking, as the seed's capacity scheduler
+                return  # FCFS: head-of-line blocking, as TensorRT-LLM's capacity scheduler
             del self.waiting[index]
 
     def _try_admit(self, request: Request, fork_parent: Request | None, plan: _StepPlan) -> bool:

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from jaxserve import capacity
-from jaxserve.capacity import MemoryProfile, kv_budget, kv_bytes_per_token
+from jaxserve.capacity import DeviceMemory, MemoryProfile, kv_budget, kv_bytes_per_token
 from jaxserve.config import EngineConfig, KvCacheConfig
+from models.attention import paged_cache_specs
 
 MiB = 2**20
 GB = 10**9
@@ -46,14 +47,21 @@ def engine_config(max_batch_size: int = 4, max_seq_len: int = 256, **kv: object)
     ],
 )
 def test_bytes_per_token(layers, kv_heads, head_dim, dtype, tp, expected):
-    assert kv_bytes_per_token(layers, kv_heads, head_dim, dtype, tp) == expected
+    """From the pool's declaration split by the rules table (a mesh given by its axis sizes)."""
+    cfg = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
+    specs = paged_cache_specs(cfg, num_blocks=5, block_size=BLOCK_SIZE)
+    assert kv_bytes_per_token(specs, {"data": 1, "model": tp}, dtype) == expected
+
+
+def profile(*devices: DeviceMemory, per_token: int = BYTES_PER_TOKEN) -> MemoryProfile:
+    return MemoryProfile(per_token, devices)
 
 
 def test_budget_from_one_device_profile_uses_every_term(caplog):
-    profile = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=20 * MiB, activation_peak=5 * MiB)
+    device = DeviceMemory(bytes_limit=100 * MiB, bytes_in_use=20 * MiB, activation_peak=5 * MiB)
 
     with caplog.at_level(logging.INFO, logger="jaxserve.capacity"):
-        budget = kv_budget(engine_config(free_memory_fraction=0.5), BYTES_PER_TOKEN, [profile])
+        budget = kv_budget(profile(device), engine_config(free_memory_fraction=0.5))
 
     kv_bytes = int(75 * MiB * 0.5)
     assert budget.kv_bytes == kv_bytes and budget.bytes_per_block == BYTES_PER_BLOCK
@@ -67,20 +75,20 @@ def test_budget_from_one_device_profile_uses_every_term(caplog):
 
 
 def test_budget_is_the_smallest_over_devices():
-    roomy = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=10 * MiB, activation_peak=0)
-    tight = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=60 * MiB, activation_peak=10 * MiB)
+    roomy = DeviceMemory(bytes_limit=100 * MiB, bytes_in_use=10 * MiB, activation_peak=0)
+    tight = DeviceMemory(bytes_limit=100 * MiB, bytes_in_use=60 * MiB, activation_peak=10 * MiB)
 
-    budget = kv_budget(engine_config(), BYTES_PER_TOKEN, [roomy, tight])
+    budget = kv_budget(profile(roomy, tight), engine_config())
 
     assert budget.kv_bytes == int(30 * MiB * 0.9)
 
 
 def test_default_fraction_on_an_8b_model_leaves_room_for_750k_tokens():
     """The issue's sizing: a 150 GB card, 16 GB of weights, 128 KiB of KV per token."""
-    profile = MemoryProfile(bytes_limit=int(0.92 * 150 * GB), bytes_in_use=16 * GB, activation_peak=2 * GB)
+    device = DeviceMemory(bytes_limit=int(0.92 * 150 * GB), bytes_in_use=16 * GB, activation_peak=2 * GB)
     config = EngineConfig(max_batch_size=256, max_num_tokens=8192, max_seq_len=131072)
 
-    budget = kv_budget(config, kv_bytes_per_token(32, 8, 128, jnp.bfloat16), [profile])
+    budget = kv_budget(profile(device, per_token=128 * 1024), config)
 
     assert budget.tokens(16) >= 750_000
 
@@ -95,10 +103,10 @@ def test_default_fraction_on_an_8b_model_leaves_room_for_750k_tokens():
     ],
 )
 def test_user_caps(max_tokens, max_total_bytes, expected_blocks):
-    profile = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=10 * MiB, activation_peak=0)
+    device = DeviceMemory(bytes_limit=100 * MiB, bytes_in_use=10 * MiB, activation_peak=0)
     config = engine_config(max_tokens=max_tokens, max_gpu_total_bytes=max_total_bytes)
 
-    budget = kv_budget(config, BYTES_PER_TOKEN, [profile])
+    budget = kv_budget(profile(device), config)
 
     assert budget.num_blocks == expected_blocks
     if max_total_bytes is None:
@@ -107,24 +115,24 @@ def test_user_caps(max_tokens, max_total_bytes, expected_blocks):
 
 def test_a_budget_for_exactly_one_full_length_request_is_accepted():
     config = engine_config(max_seq_len=256, max_gpu_total_bytes=17 * BYTES_PER_BLOCK)  # 16 blocks + block 0
-    profile = MemoryProfile(bytes_limit=100 * MiB, bytes_in_use=0, activation_peak=0)
-    assert kv_budget(config, BYTES_PER_TOKEN, [profile]).num_blocks == 17
+    device = DeviceMemory(bytes_limit=100 * MiB, bytes_in_use=0, activation_peak=0)
+    assert kv_budget(profile(device), config).num_blocks == 17
 
 
 @pytest.mark.parametrize(
-    "profile, kv",
+    "device, kv",
     [
-        (MemoryProfile(100 * MiB, 10 * MiB, 0), {"max_gpu_total_bytes": 16 * MiB}),  # one block short
-        (MemoryProfile(100 * MiB, 10 * MiB, 0), {"max_tokens": 100}),
-        (MemoryProfile(100 * MiB, 99 * MiB, 0), {}),  # the weights leave 1 MiB
-        (MemoryProfile(100 * MiB, 60 * MiB, 50 * MiB), {}),  # the activations exceed what is left
+        (DeviceMemory(100 * MiB, 10 * MiB, 0), {"max_gpu_total_bytes": 16 * MiB}),  # one block short
+        (DeviceMemory(100 * MiB, 10 * MiB, 0), {"max_tokens": 100}),
+        (DeviceMemory(100 * MiB, 99 * MiB, 0), {}),  # the weights leave 1 MiB
+        (DeviceMemory(100 * MiB, 60 * MiB, 50 * MiB), {}),  # the activations exceed what is left
     ],
     ids=["bytes-cap", "token-cap", "weights", "activations"],
 )
-def test_too_small_for_one_max_seq_len_request_names_the_knobs(profile, kv):
+def test_too_small_for_one_max_seq_len_request_names_the_knobs(device, kv):
     config = engine_config(max_seq_len=256, **kv)
     with pytest.raises(ValueError) as error:
-        kv_budget(config, MiB // BLOCK_SIZE, [profile])  # 1 MiB per block
+        kv_budget(profile(device, per_token=MiB // BLOCK_SIZE), config)  # 1 MiB per block
     message = str(error.value)
     assert "max_seq_len=256 needs 16 blocks" in message
     for knob in ("max_seq_len", "max_batch_size", "max_num_tokens", "free_memory_fraction", "max_tokens", "dtype"):
@@ -134,18 +142,18 @@ def test_too_small_for_one_max_seq_len_request_names_the_knobs(profile, kv):
 def test_cpu_fallback_is_capped_at_what_the_batch_can_use():
     config = engine_config(max_batch_size=4, max_seq_len=256)  # 4 sequences x 16 blocks
 
-    roomy = kv_budget(config, BYTES_PER_TOKEN, None, host_bytes=64 * 2**30)
-    tight = kv_budget(config, BYTES_PER_TOKEN, None, host_bytes=40 * BYTES_PER_BLOCK)
+    roomy = kv_budget(profile(), config, host_bytes=64 * 2**30)
+    tight = kv_budget(profile(), config, host_bytes=40 * BYTES_PER_BLOCK)
 
     assert roomy.num_blocks == 4 * 16 + 1 and roomy.source == "host memory"
     assert tight.num_blocks == int(40 * BYTES_PER_BLOCK * 0.9) // BYTES_PER_BLOCK
-    capped = kv_budget(engine_config(max_tokens=20 * BLOCK_SIZE), BYTES_PER_TOKEN, None, host_bytes=64 * 2**30)
+    capped = kv_budget(profile(), engine_config(max_tokens=20 * BLOCK_SIZE), host_bytes=64 * 2**30)
     assert capped.num_blocks == 21
 
 
 def test_cpu_fallback_reads_the_host_when_not_given():
     assert capacity.host_available_bytes() > 0
-    budget = kv_budget(engine_config(), BYTES_PER_TOKEN, None)
+    budget = kv_budget(profile(), engine_config())
     assert budget.source == "host memory" and budget.num_blocks == 4 * 16 + 1
 
 
@@ -246,12 +254,12 @@ def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypa
     probed = []
     original = Runner.probe_step
 
-    def probe_step(self, compiled, bucket, penalties, num_blocks, prompt_lp=False):
-        probed.append((bucket, prompt_lp))
-        original(self, compiled, bucket, penalties, num_blocks, prompt_lp)
+    def probe_step(self, compiled, bucket, variant, num_blocks):
+        probed.append((bucket, variant))
+        original(self, compiled, bucket, variant, num_blocks)
 
     monkeypatch.setattr(Runner, "probe_step", probe_step)
     config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=False, prompt_logprobs=True)
     make_llm(tiny_model("llama"), max_seq_len=64, max_num_tokens=16, compile_config=config)
-    [(bucket, prompt_lp)] = probed
-    assert prompt_lp and not bucket.decode_only and bucket.num_tokens == 16
+    [(bucket, variant)] = probed
+    assert variant.prompt_logprobs and not bucket.decode_only and bucket.num_tokens == 16

@@ -301,3 +301,69 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
     # Layers run under a scan: each compiled step traces the attention once. (4, 4) is both a decode
     # bucket and a token bucket: compiled once as each.
     assert sorted(set(seen), key=str) == sorted({(2, 1), (4, 1), (4, None), (16, None)}, key=str)
+
+
+# ---- the compiled table -------------------------------------------------------------------------
+
+EVERY_VARIANT = CompileConfig(
+    decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=True, prompt_logprobs=True, greedy_variants=True
+)
+
+
+def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
+    monkeypatch, tiny_model, make_llm, assert_engine_idle
+):
+    """Warmup compiles exactly StepConfig.compiled_steps(); every step the engine runs, whatever its
+    requests ask for, is one of them (Runner.run refuses anything else, naming it)."""
+    from jaxserve.inputs import Bucket, StepVariant, padding_inputs
+    from jaxserve.runner import Runner
+
+    llm = make_llm(tiny_model("llama"), kv_tokens=256, compile_config=EVERY_VARIANT)
+    runner, steps = llm.engine.runner, llm.engine.steps
+    assert runner.compiled_steps == steps.compiled_steps()
+    ran: list[tuple[Bucket, StepVariant]] = []
+    original = Runner.run
+
+    def run(self, inputs, bucket, variant):
+        ran.append((bucket, variant))
+        return original(self, inputs, bucket, variant)
+
+    monkeypatch.setattr(Runner, "run", run)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(2, 30))).tolist() for _ in range(8)]
+    kinds = [
+        SamplingParams(max_tokens=6, temperature=0.0),
+        SamplingParams(max_tokens=6, temperature=0.9, seed=1, top_p=0.8),
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
+        SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=1),
+    ]
+    for chosen in ([kinds[0]] * 8, kinds[:2] * 4, [kinds[2]] * 8, kinds[3:] * 4, [*kinds, *kinds[:3]]):
+        outputs = llm.generate(prompts, chosen, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    assert set(ran) <= set(steps.compiled_steps())
+    assert {v for _, v in ran} == set(steps.variants(Bucket(16, 4))), "the workload was meant to use every variant"
+    assert_engine_idle(llm)
+    decode, scoring = Bucket(4, 4, decode_only=True), StepVariant(prompt_logprobs=True)  # never compiled together
+    inputs = padding_inputs(decode, scoring, steps)
+    with pytest.raises(RuntimeError, match=r"no compiled step for T=4 B=4 decode_only=True variant=prompt_logprobs"):
+        original(runner, inputs, decode, scoring)
+
+
+def test_the_engine_dtype_casts_weights_given_in_another(tiny_model, char_tokenizer):
+    """EngineConfig.dtype: parameters passed in float32 are served in bfloat16, KV cache included; "auto" keeps
+    the weights' dtype."""
+    from jaxserve.llm import LLM
+
+    model = tiny_model("llama")
+    small = dict(max_batch_size=2, max_num_tokens=16, max_seq_len=64, attention_backend="xla", show_progress=False)
+    buckets = CompileConfig(decode_batch_sizes=(2,), token_buckets=(16,), penalty_variants=False)
+    cast = LLM(model, tokenizer=char_tokenizer(), dtype="bfloat16", compile_config=buckets, **small)
+    kept = LLM(model, tokenizer=char_tokenizer(), dtype="auto", compile_config=buckets, **small)
+
+    for llm, dtype in ((cast, jax.numpy.bfloat16), (kept, jax.numpy.float32)):
+        runner = llm.engine.runner
+        assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(runner.weights)} == {np.dtype(dtype)}
+        assert runner.kv_cache.k.dtype == dtype and runner.kv_cache.v.dtype == dtype
+        [out] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4

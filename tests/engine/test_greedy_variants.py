@@ -9,6 +9,7 @@ import pytest
 
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
+from jaxserve.inputs import StepVariant
 from jaxserve.runner import Runner
 from jaxserve.sampling import SamplingParams
 
@@ -26,13 +27,13 @@ def model_and_llm(tiny_model, make_llm):
 
 @pytest.fixture
 def greedy_calls(monkeypatch) -> list[bool]:
-    """The `greedy` argument of every Runner.run call."""
+    """Whether each Runner.run call ran a greedy variant."""
     calls: list[bool] = []
     original = Runner.run
 
-    def run(self, *args, **kwargs):
-        calls.append(kwargs.get("greedy", False))
-        return original(self, *args, **kwargs)
+    def run(self, inputs, bucket, variant):
+        calls.append(variant.greedy)
+        return original(self, inputs, bucket, variant)
 
     monkeypatch.setattr(Runner, "run", run)
     return calls
@@ -75,8 +76,8 @@ def test_the_greedy_variant_has_no_conditional(model_and_llm):
     """The mechanism: the general step branches on the device (conditionals); the greedy step does not."""
     _, llm = model_and_llm
     runner = llm.engine.runner
-    for bucket in runner.spec.buckets.buckets:
-        general = runner._compiled[(bucket, False, False, False)].as_text()
-        greedy = runner._compiled[(bucket, False, False, True)].as_text()
+    for bucket in runner.spec.steps.buckets.buckets:
+        general = runner._compiled[bucket, StepVariant()].as_text()
+        greedy = runner._compiled[bucket, StepVariant(greedy=True)].as_text()
         assert " conditional(" in general, "the general step was expected to branch on the device"
         assert " conditional(" not in greedy

@@ -1,25 +1,33 @@
-"""Bucket tables (the seed's batch size rules) and StepInputs / SamplingInputs against hand-built expectations."""
+"""Bucket tables (TensorRT-LLM's batch size rules), step variants and their one enumeration, and StepInputs
+against hand-built expectations."""
+
+import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxserve.config import CompileConfig, EngineConfig, KvCacheConfig
 from jaxserve.inputs import (
+    MAX_BANNED_TOKENS,
     NO_TARGET,
     Bucket,
     BucketTable,
-    carried_tokens,
+    SamplingInputs,
+    StepConfig,
+    StepVariant,
     default_token_buckets,
     filter_decode_batch_sizes,
     generate_decode_batch_sizes,
-    make_prompt_targets,
-    make_sampling_inputs,
     make_step_inputs,
-    make_token_history,
+    padding_inputs,
 )
 from jaxserve.request import Request, make_requests
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow
+
+VOCAB = 1000
 
 
 def table(max_batch_size=4, max_num_tokens=16, max_seq_len=32, block_size=4, **compile_kwargs):
@@ -36,7 +44,7 @@ def table(max_batch_size=4, max_num_tokens=16, max_seq_len=32, block_size=4, **c
 # ---- bucket rules -------------------------------------------------------------------------------
 
 
-def test_generate_decode_batch_sizes_follows_the_seed():
+def test_generate_decode_batch_sizes_follows_tensorrt_llm():
     multiples_of_8 = [8 * i for i in range(1, 17)]
     assert generate_decode_batch_sizes(128, True) == [1, 2, 4, *multiples_of_8]
     assert generate_decode_batch_sizes(256, True) == [1, 2, 4, *multiples_of_8, 192, 256]
@@ -95,6 +103,12 @@ def test_a_step_outside_the_table_is_an_error_naming_its_shape(num_tokens, num_s
 # ---- step inputs --------------------------------------------------------------------------------
 
 
+def steps(max_batch_size=4, max_seq_len=32, history_len=None, **variants) -> StepConfig:
+    """A StepConfig over `table`; history_len: a token-history width other than max_seq_len."""
+    buckets = table(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return StepConfig(buckets, vocab_size=VOCAB, max_seq_len=history_len or max_seq_len, **variants)
+
+
 def request_with(prompt, request_id="r", **params):
     return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=SamplingParams(**params))
 
@@ -116,6 +130,7 @@ def row(request, start, num_tokens, block_ids, *, pending=False, prefill=True, s
 
 
 def mixed_batch():
+    """Four rows and the previous step that sampled the pending input of the last one."""
     a = request_with(list(range(100, 109)), "a")  # 9-token prompt, first block from the prefix cache
     b = request_with(list(range(200, 220)), "b")  # a chunk of a 20-token prompt
     c = request_with(list(range(300, 307)), "c")  # decoding; its last token is known
@@ -126,12 +141,14 @@ def mixed_batch():
         row(c, 6, 1, [2, 8], prefill=False, generation_index=4),
         row(d, 2, 1, [6], pending=True, prefill=False, generation_index=1),
     ]
-    return ScheduledBatch(rows=rows, num_prefill_rows=2)
+    previous = ScheduledBatch(rows=[row(request_with([9], "x"), 0, 1, [1]), row(d, 1, 1, [6], prefill=False)])
+    return ScheduledBatch(rows=rows, num_prefill_rows=2), previous
 
 
 def test_step_inputs_of_a_mixed_batch():
-    inputs = make_step_inputs(mixed_batch(), table())
-    assert inputs.bucket == Bucket(16, 4)
+    batch, previous = mixed_batch()
+    inputs, bucket, variant = make_step_inputs(batch, previous, steps())
+    assert bucket == Bucket(16, 4) and variant == StepVariant()
     pad6 = [0] * 6
     expected = {
         "token_ids": [100 + p for p in range(4, 9)] + [200, 201, 202] + [306] + [0] + pad6,
@@ -144,11 +161,22 @@ def test_step_inputs_of_a_mixed_batch():
         "block_table": [[7, 3, 9, 0, 0, 0, 0, 0], [5] + [0] * 7, [2, 8] + [0] * 6, [6] + [0] * 7],
         "logits_indices": [4, 7, 8, 9],
         "num_seqs": 4,
+        # d's last input is what row 1 of the previous step samples.
+        "carried_source": [0, 0, 0, 1],
+        "banned_tokens": [[VOCAB] * MAX_BANNED_TOKENS] * 4,
     }
     for name, value in expected.items():
         array = getattr(inputs, name)
         assert array.dtype == np.int32, name
         np.testing.assert_array_equal(array, np.array(value, dtype=np.int32), err_msg=name)
+    np.testing.assert_array_equal(inputs.carried_mask, [False, False, False, True])
+    assert not inputs.want_logprobs and inputs.history is None and inputs.prompt_targets is None
+
+
+def test_a_pending_input_the_previous_step_did_not_sample_is_an_error():
+    batch, _ = mixed_batch()
+    with pytest.raises(ValueError, match="did not sample"):
+        make_step_inputs(batch, None, steps())
 
 
 def test_prompt_targets_are_the_next_prompt_token_of_scoring_rows_only():
@@ -156,18 +184,20 @@ def test_prompt_targets_are_the_next_prompt_token_of_scoring_rows_only():
     b = request_with(list(range(200, 220)), "b", prompt_logprobs=0)  # first chunk: positions 0..2 of 20
     c = request_with(list(range(300, 307)), "c")  # no prompt logprobs
     rows = [row(a, 4, 5, [7, 3, 9]), row(b, 0, 3, [5], samples=False), row(c, 0, 2, [2], samples=False)]
-    targets = make_prompt_targets(ScheduledBatch(rows=rows, num_prefill_rows=3), 16)
+    batch = ScheduledBatch(rows=rows, num_prefill_rows=3)
+    inputs, _, variant = make_step_inputs(batch, None, steps(prompt_logprob_variants=True))
+    assert variant == StepVariant(prompt_logprobs=True)
     none = NO_TARGET
     # a: positions 4..7 score prompt tokens 5..8; position 8 is the last prompt token (it samples).
     expected = [105, 106, 107, 108, none] + [201, 202, 203] + [none, none] + [none] * 6
-    np.testing.assert_array_equal(targets, np.array(expected, dtype=np.int32))
+    np.testing.assert_array_equal(inputs.prompt_targets, np.array(expected, dtype=np.int32))
 
 
 def test_padding_rows_of_a_decode_step_own_no_tokens_and_point_at_block_0():
     requests = [request_with([1, 2, 3, 4, 5], f"r{i}") for i in range(3)]
     rows = [row(r, 4, 1, [i + 1, i + 4], prefill=False) for i, r in enumerate(requests)]
-    inputs = make_step_inputs(ScheduledBatch(rows=rows), table())
-    assert inputs.bucket == Bucket(4, 4, decode_only=True)
+    inputs, bucket, _ = make_step_inputs(ScheduledBatch(rows=rows), None, steps())
+    assert bucket == Bucket(4, 4, decode_only=True)
     np.testing.assert_array_equal(inputs.token_ids, [5, 5, 5, 0])
     np.testing.assert_array_equal(inputs.positions, [4, 4, 4, 0])
     np.testing.assert_array_equal(inputs.slot_mapping, [16, 20, 24, 0])
@@ -180,20 +210,22 @@ def test_padding_rows_of_a_decode_step_own_no_tokens_and_point_at_block_0():
 
 def test_step_inputs_errors():
     with pytest.raises(ValueError, match="empty batch"):
-        make_step_inputs(ScheduledBatch(rows=[]), table())
+        make_step_inputs(ScheduledBatch(rows=[]), None, steps())
     short = row(request_with(list(range(9))), 0, 9, [1, 2])
     with pytest.raises(ValueError, match="needs 3 blocks"):
-        make_step_inputs(ScheduledBatch(rows=[short], num_prefill_rows=1), table())
+        make_step_inputs(ScheduledBatch(rows=[short], num_prefill_rows=1), None, steps())
 
 
 def test_sampling_inputs_pad_with_neutral_rows():
-    seeded = make_requests("s", [1, 2], SamplingParams(seed=5, n=2, temperature=0.8, top_k=3))
+    seeded = make_requests("s", [1, 2], SamplingParams(seed=5, n=2, temperature=0.8, top_k=3, logprobs=1))
     plain = request_with([1], "p", temperature=0.0, top_p=0.5, min_p=0.1, repetition_penalty=1.2)
     penalised = request_with([1], "q", presence_penalty=0.5, frequency_penalty=-1.0)
     rows = [row(r, 0, 1, [1], generation_index=i) for i, r in enumerate([*seeded, plain, penalised])]
-    inputs = make_sampling_inputs(ScheduledBatch(rows=rows, num_prefill_rows=4), num_rows=6)
-    arrays = inputs.arrays()
-    assert list(arrays) == [
+    batch = ScheduledBatch(rows=rows, num_prefill_rows=4)
+    inputs, bucket, variant = make_step_inputs(batch, None, steps(max_batch_size=6, penalty_variants=True))
+    assert bucket == Bucket(16, 6) and variant == StepVariant(penalties=True) and inputs.want_logprobs
+    sampling = inputs.sampling
+    assert [f.name for f in dataclasses.fields(sampling)] == [
         "temperature",
         "top_k",
         "top_p",
@@ -205,41 +237,142 @@ def test_sampling_inputs_pad_with_neutral_rows():
         "has_seed",
         "generation_index",
     ]
-    np.testing.assert_allclose(inputs.temperature, [0.8, 0.8, 0.0, 1.0, 0.0, 0.0])
-    np.testing.assert_array_equal(inputs.top_k, [3, 3, 0, 0, 0, 0])
-    np.testing.assert_allclose(inputs.top_p, [1, 1, 0.5, 1, 1, 1])
-    np.testing.assert_allclose(inputs.min_p, [0, 0, 0.1, 0, 0, 0], rtol=1e-6)
-    np.testing.assert_allclose(inputs.repetition_penalty, [1, 1, 1.2, 1, 1, 1], rtol=1e-6)
-    np.testing.assert_allclose(inputs.presence_penalty, [0, 0, 0, 0.5, 0, 0])
-    np.testing.assert_allclose(inputs.frequency_penalty, [0, 0, 0, -1.0, 0, 0])
-    assert inputs.seed[0] == 5 and inputs.seed[1] != 5 and inputs.seed.dtype == np.uint32
-    np.testing.assert_array_equal(inputs.has_seed, [True, True, False, False, False, False])
-    np.testing.assert_array_equal(inputs.generation_index, [0, 1, 2, 3, 0, 0])
-    assert inputs.temperature.dtype == np.float32 and inputs.top_k.dtype == np.int32
+    np.testing.assert_allclose(sampling.temperature, [0.8, 0.8, 0.0, 1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(sampling.top_k, [3, 3, 0, 0, 0, 0])
+    np.testing.assert_allclose(sampling.top_p, [1, 1, 0.5, 1, 1, 1])
+    np.testing.assert_allclose(sampling.min_p, [0, 0, 0.1, 0, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(sampling.repetition_penalty, [1, 1, 1.2, 1, 1, 1], rtol=1e-6)
+    np.testing.assert_allclose(sampling.presence_penalty, [0, 0, 0, 0.5, 0, 0])
+    np.testing.assert_allclose(sampling.frequency_penalty, [0, 0, 0, -1.0, 0, 0])
+    assert sampling.seed[0] == 5 and sampling.seed[1] != 5 and sampling.seed.dtype == np.uint32
+    np.testing.assert_array_equal(sampling.has_seed, [True, True, False, False, False, False])
+    np.testing.assert_array_equal(sampling.generation_index, [0, 1, 2, 3, 0, 0])
+    assert sampling.temperature.dtype == np.float32 and sampling.top_k.dtype == np.int32
 
 
-def test_carried_tokens_point_at_the_previous_sampling_row():
-    batch = mixed_batch()
-    d = batch.rows[3].request
-    previous = ScheduledBatch(rows=[row(request_with([9], "x"), 0, 1, [1]), row(d, 1, 1, [6], prefill=False)])
-    carried = carried_tokens(batch, previous, num_rows=4)
-    np.testing.assert_array_equal(carried.mask, [False, False, False, True])
-    np.testing.assert_array_equal(carried.source_row, [0, 0, 0, 1])
-    with pytest.raises(ValueError, match="did not sample"):
-        carried_tokens(batch, None, num_rows=4)
+def test_sampling_inputs_from_columns_cast_and_check():
+    columns = {f.name: np.zeros(3) for f in dataclasses.fields(SamplingInputs)}
+    inputs = SamplingInputs.from_columns(**{**columns, "top_k": [1, 2, 3], "seed": [0, 1, 2**32 - 1]})
+    assert inputs.top_k.dtype == np.int32 and inputs.seed.dtype == np.uint32 and inputs.has_seed.dtype == np.bool_
+    with pytest.raises(ValueError, match="column top_p has shape"):
+        SamplingInputs.from_columns(**{**columns, "top_p": np.ones(2)})
+    with pytest.raises(ValueError, match=r"missing columns \['min_p'\]"):
+        SamplingInputs.from_columns(**{k: v for k, v in columns.items() if k != "min_p"})
+    assert SamplingInputs.neutral(5).top_p.tolist() == [1.0] * 5
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    eos = frozenset({7})
+    early = Request("e", [1, 2], SamplingParams(min_tokens=3, stop_token_ids=[9, 11]), eos_token_ids=eos)
+    late = Request("l", [1, 2], SamplingParams(min_tokens=1), eos_token_ids=eos)
+    rows = [row(early, 0, 2, [1], generation_index=2), row(late, 0, 2, [2], generation_index=1)]
+    inputs, _, _ = make_step_inputs(ScheduledBatch(rows=rows, num_prefill_rows=2), None, steps())
+    pad = [VOCAB] * (MAX_BANNED_TOKENS - 3)
+    np.testing.assert_array_equal(inputs.banned_tokens[0], [7, 9, 11, *pad])
+    np.testing.assert_array_equal(inputs.banned_tokens[1], [VOCAB] * MAX_BANNED_TOKENS)
 
 
 def test_token_history_holds_prompt_and_known_outputs():
-    a = request_with([5, 6, 7], "a")
+    a = request_with([5, 6, 7], "a", repetition_penalty=1.1)
     a.token_ids += [8, 9]  # two outputs known on the host
     b = request_with([1, 2], "b")
-    rows = [row(b, 0, 2, [1]), row(a, 4, 1, [2, 3], prefill=False), row(a, 5, 1, [2, 3], pending=True)]
-    history = make_token_history(ScheduledBatch(rows=rows, num_prefill_rows=1), num_rows=4, history_len=8, pad_id=99)
-    pad = 99
+    c = request_with([3, 4], "c")
+    c.token_ids += [5]  # one output known, the next one still on the device
+    rows = [row(b, 0, 2, [1]), row(a, 4, 1, [2, 3], prefill=False), row(c, 3, 1, [4], pending=True, prefill=False)]
+    previous = ScheduledBatch(rows=[row(c, 2, 1, [4], prefill=False)])
+    batch = ScheduledBatch(rows=rows, num_prefill_rows=1)
+    inputs, _, variant = make_step_inputs(batch, previous, steps(history_len=8, penalty_variants=True))
+    assert variant == StepVariant(penalties=True)
+    pad = VOCAB
     np.testing.assert_array_equal(
-        history.token_ids,
-        [[1, 2] + [pad] * 6, [5, 6, 7, 8, 9] + [pad] * 3, [5, 6, 7, 8, 9] + [pad] * 3, [pad] * 8],
+        inputs.history.token_ids,
+        [[1, 2] + [pad] * 6, [5, 6, 7, 8, 9] + [pad] * 3, [3, 4, 5] + [pad] * 5, [pad] * 8],
     )
-    np.testing.assert_array_equal(history.num_prompt_tokens, [2, 3, 3, 0])
+    np.testing.assert_array_equal(inputs.history.num_prompt_tokens, [2, 3, 2, 0])
     with pytest.raises(ValueError, match="cannot hold 5 tokens"):
-        make_token_history(ScheduledBatch(rows=rows[1:2]), num_rows=1, history_len=4, pad_id=pad)
+        make_step_inputs(ScheduledBatch(rows=rows[1:2]), None, steps(history_len=4, penalty_variants=True))
+
+
+# ---- variants -----------------------------------------------------------------------------------
+
+
+def test_variants_per_bucket_and_their_one_enumeration():
+    config = steps(penalty_variants=True, prompt_logprob_variants=True, greedy_variants=True)
+    decode, token = Bucket(2, 2, decode_only=True), Bucket(16, 4)
+    general, penalties = StepVariant(), StepVariant(penalties=True)
+    scoring = [StepVariant(prompt_logprobs=True), StepVariant(penalties=True, prompt_logprobs=True)]
+    assert config.variants(decode) == (general, penalties, StepVariant(greedy=True))
+    assert config.variants(token) == (general, penalties, *scoring, StepVariant(greedy=True))
+    assert config.compiled_steps() == tuple((b, v) for b in config.buckets.buckets for v in config.variants(b))
+    assert steps().variants(token) == (general,)
+    # The probe runs the largest compiled step: the largest token bucket, scoring with penalties.
+    assert config.largest_step() == (token, StepVariant(penalties=True, prompt_logprobs=True))
+    assert steps().largest_step() == (token, general)
+    with pytest.raises(ValueError, match="greedy step variant"):
+        StepVariant(greedy=True, penalties=True)
+    assert str(general) == "general" and str(scoring[1]) == "penalties+prompt_logprobs"
+
+
+def test_requests_that_need_an_uncompiled_variant_are_refused_by_name():
+    config = steps()
+    with pytest.raises(ValueError, match=r"CompileConfig\(prompt_logprobs=True\)"):
+        config.check_supported(SamplingParams(prompt_logprobs=1), num_eos_tokens=1)
+    with pytest.raises(ValueError, match=r"CompileConfig\(penalty_variants=True\)"):
+        config.check_supported(SamplingParams(frequency_penalty=0.5), num_eos_tokens=1)
+    with pytest.raises(ValueError, match=f"at most {MAX_BANNED_TOKENS}"):
+        config.check_supported(SamplingParams(min_tokens=1, stop_token_ids=list(range(8))), num_eos_tokens=1)
+    config.check_supported(SamplingParams(min_tokens=1, stop_token_ids=list(range(7))), num_eos_tokens=1)
+
+
+_PARAMS = st.sampled_from(
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, prompt_logprobs=1),
+        SamplingParams(temperature=0.5, presence_penalty=0.5, prompt_logprobs=0),
+    ]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.tuples(_PARAMS, st.booleans(), st.integers(1, 4)), min_size=1, max_size=4),
+    greedy=st.booleans(),
+)
+def test_every_step_a_batch_can_ask_for_is_compiled_and_has_the_compiled_shapes(rows, greedy):
+    """The engine never runs a (bucket, variant) that warmup did not compile, and its inputs have exactly
+    the shapes and dtypes that step was compiled for (padding_inputs)."""
+    config = steps(penalty_variants=True, prompt_logprob_variants=True, greedy_variants=greedy)
+    scheduled = []
+    for i, (params, prefill, num_tokens) in enumerate(rows):
+        request = Request(f"r{i}", list(range(1, 9)), params)
+        length = num_tokens if prefill else 1
+        scheduled.append(row(request, 0, length, [1, 2], prefill=prefill))
+    scheduled.sort(key=lambda r: not r.is_prefill)  # prefill chunks first
+    batch = ScheduledBatch(rows=scheduled, num_prefill_rows=sum(r.is_prefill for r in scheduled))
+
+    inputs, bucket, variant = make_step_inputs(batch, None, config)
+
+    assert (bucket, variant) in config.compiled_steps()
+    padding = padding_inputs(bucket, variant, config)
+    assert _layout(inputs) == _layout(padding)
+    expect_greedy = greedy and all(r.request.sampling_params.is_greedy for r in scheduled)
+    expect_greedy &= not any(
+        variant.penalties or variant.prompt_logprobs or r.request.sampling_params.logprobs is not None
+        for r in scheduled
+    )
+    assert variant.greedy == expect_greedy
+
+
+def _layout(inputs) -> list:
+    """(field path, shape, dtype) of every array of a StepInputs, None for an absent extra."""
+    layout = []
+    for f in dataclasses.fields(inputs):
+        value = getattr(inputs, f.name)
+        if value is None or isinstance(value, np.ndarray):
+            layout.append((f.name, None if value is None else (value.shape, value.dtype)))
+        else:
+            layout += [(f"{f.name}.{name}", shape) for name, shape in _layout(value)]
+    return layout

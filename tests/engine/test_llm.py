@@ -164,10 +164,13 @@ def test_n_samples_share_the_prompt_and_differ(llm, dense_greedy, serves_after):
     assert [c.token_ids for c in greedy.outputs] == [expected] * 3
 
 
-@pytest.mark.parametrize("num_logprobs", [0, 5])
-def test_logprobs_are_the_log_softmax_of_the_reference_logits(llm, model, dense_logits, num_logprobs):
+@pytest.mark.parametrize(("num_logprobs", "penalty"), [(0, 1.0), (5, 1.0), (5, 1.4)])
+def test_logprobs_are_the_log_softmax_of_the_reference_logits(llm, model, dense_logits, num_logprobs, penalty):
+    """Raw logprobs (vLLM's default): before temperature and penalties, whichever variant samples."""
     prompt = random_prompt(40, 19)
-    params = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True, logprobs=num_logprobs)
+    params = SamplingParams(
+        temperature=0.8, seed=7, max_tokens=8, ignore_eos=True, logprobs=num_logprobs, repetition_penalty=penalty
+    )
 
     completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
@@ -480,3 +483,25 @@ def test_chat_applies_the_template(llm, tokenizer, dense_greedy):
     assert [o.prompt_token_ids for o in both] == prompts
     assert [o.outputs[0].token_ids for o in both] == dense_greedy(prompts, 10)
     assert single[0].outputs[0].token_ids == both[0].outputs[0].token_ids
+
+
+def test_streamed_text_with_stop_strings_split_across_steps_only_grows(llm, tokenizer, dense_greedy, serves_after):
+    """A stop string arriving over several steps is held back, never shown and then taken away; the stream
+    ends exactly where generate() ends, at the stop string."""
+    prompt = random_prompt(61, 12)
+    reference = dense_greedy([prompt], 16)[0]
+    text = tokenizer.decode(reference)
+    k = next(i for i in range(3, 12) if text.find(text[i : i + 3]) == i)  # first occurrence of a 3-token string
+    stop = text[k : k + 3]  # arrives one character (token) per step
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=(stop, text[k] + "\x00never"))
+
+    partials = [p.outputs[0] for p in llm.stream(prompt, params)]
+
+    final = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    texts = [p.text for p in partials]
+    for earlier, later in zip(texts[:-1], texts[1:], strict=True):
+        assert later.startswith(earlier), texts
+    assert texts[-1] == final.text == text[:k]
+    assert all(not t.endswith(stop[:1]) for t in texts[:-1] if len(t) == k), "the stop string's start was shown"
+    assert (partials[-1].finish_reason, partials[-1].stop_reason) == ("stop", stop)
+    assert partials[-1].token_ids == final.token_ids == reference[: k + 3]

@@ -1,4 +1,4 @@
-"""The on-device sampler against exact numpy references: greedy, seeds, filtered distributions, penalties, logprobs."""
+"""The on-device sampler against exact numpy references: greedy, seeds, filtered distributions, penalties."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from jaxserve.sampler import SamplingTensors, apply_penalties, compute_logprobs, sample
+from jaxserve.inputs import SamplingInputs, TokenHistory
+from jaxserve.sampler import apply_penalties, sample
 
-_sample = jax.jit(sample, static_argnames=("num_top_logprobs", "greedy_only"))
+_sample = jax.jit(sample, static_argnames=("greedy_only",))
 _apply_penalties = jax.jit(apply_penalties)
-_compute_logprobs = jax.jit(compute_logprobs, static_argnames=("num_top",))
 
 NUM_DRAWS = 20_000
 REJECT_BELOW = 1e-4
 
 
-def make_params(batch_size: int, **fields: object) -> SamplingTensors:
+def make_params(batch_size: int, **fields: object) -> SamplingInputs:
     """Neutral rows, with the given fields overridden (a scalar applies to every row)."""
     neutral = {
         "temperature": 0.0,
@@ -39,7 +39,7 @@ def make_params(batch_size: int, **fields: object) -> SamplingTensors:
     arrays = {
         name: np.broadcast_to(np.asarray(fields.get(name, value)), (batch_size,)) for name, value in neutral.items()
     }
-    return SamplingTensors.from_arrays(**arrays)
+    return SamplingInputs.from_columns(**arrays)
 
 
 def softmax64(z: np.ndarray) -> np.ndarray:
@@ -110,9 +110,9 @@ def test_greedy_rows_take_the_first_argmax_in_a_mixed_batch():
         min_p=rng.uniform(0.0, 0.2, batch),
     )
     out = _sample(jnp.asarray(logits), params, jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(out.token_ids)[greedy], np.argmax(logits, axis=-1)[greedy])
+    np.testing.assert_array_equal(np.asarray(out)[greedy], np.argmax(logits, axis=-1)[greedy])
     # The random rows really sample (else the greedy check above would pass for the wrong reason).
-    assert (np.asarray(out.token_ids)[~greedy] != np.argmax(logits, axis=-1)[~greedy]).any()
+    assert (np.asarray(out)[~greedy] != np.argmax(logits, axis=-1)[~greedy]).any()
 
 
 @pytest.mark.parametrize("with_history", [False, True])
@@ -128,8 +128,10 @@ def test_top_k_1_equals_greedy_exactly(with_history: bool):
     history = {}
     if with_history:
         history = {
-            "token_history": jnp.asarray(rng.integers(0, vocab + 1, size=(batch, 10)), jnp.int32),
-            "num_prompt_tokens": jnp.asarray(rng.integers(0, 11, size=batch), jnp.int32),
+            "history": TokenHistory(
+                jnp.asarray(rng.integers(0, vocab + 1, size=(batch, 10)), jnp.int32),
+                jnp.asarray(rng.integers(0, 11, size=batch), jnp.int32),
+            )
         }
     top_k_1 = make_params(
         batch,
@@ -140,8 +142,8 @@ def test_top_k_1_equals_greedy_exactly(with_history: bool):
         **shared,
     )
     greedy = make_params(batch, temperature=0.0, **shared)
-    sampled = _sample(logits, top_k_1, jax.random.key(4), **history).token_ids
-    expected = _sample(logits, greedy, jax.random.key(5), **history).token_ids
+    sampled = _sample(logits, top_k_1, jax.random.key(4), **history)
+    expected = _sample(logits, greedy, jax.random.key(5), **history)
     np.testing.assert_array_equal(np.asarray(sampled), np.asarray(expected))
     if not with_history:
         np.testing.assert_array_equal(np.asarray(sampled), np.argmax(np.asarray(logits), axis=-1))
@@ -183,7 +185,7 @@ def sample_seeded_within(batch_size: int, rows: np.ndarray, step_seed: int, requ
         fields[name] = np.asarray(fields.get(name, np.zeros(batch_size)), dtype=np.asarray(values).dtype)
         fields[name][rows] = values
     out = _sample(jnp.asarray(logits), make_params(batch_size, **fields), jax.random.key(step_seed))
-    return np.asarray(out.token_ids)[rows]
+    return np.asarray(out)[rows]
 
 
 def test_a_seeded_request_samples_the_same_tokens_whatever_the_batch():
@@ -222,9 +224,9 @@ def test_unseeded_rows_follow_the_step_key():
     batch = 32
     logits = jnp.zeros((batch, 64))
     params = make_params(batch, temperature=1.0)
-    first = np.asarray(_sample(logits, params, jax.random.key(0)).token_ids)
-    again = np.asarray(_sample(logits, params, jax.random.key(0)).token_ids)
-    other = np.asarray(_sample(logits, params, jax.random.key(1)).token_ids)
+    first = np.asarray(_sample(logits, params, jax.random.key(0)))
+    again = np.asarray(_sample(logits, params, jax.random.key(0)))
+    other = np.asarray(_sample(logits, params, jax.random.key(1)))
     np.testing.assert_array_equal(first, again)
     assert (first != other).mean() > 0.5
     assert len(set(first.tolist())) > 16, "rows of one step must not share a key"
@@ -233,8 +235,8 @@ def test_unseeded_rows_follow_the_step_key():
 def test_raw_and_typed_step_keys_give_the_same_tokens():
     logits = jax.random.normal(jax.random.key(0), (64, 32))
     params = make_params(64, temperature=1.0)
-    typed = _sample(logits, params, jax.random.key(9)).token_ids
-    raw = _sample(logits, params, jax.random.PRNGKey(9)).token_ids
+    typed = _sample(logits, params, jax.random.key(9))
+    raw = _sample(logits, params, jax.random.PRNGKey(9))
     np.testing.assert_array_equal(np.asarray(typed), np.asarray(raw))
 
 
@@ -272,7 +274,7 @@ def draw(filters: dict[str, float], key_mode: str) -> np.ndarray:
     }[key_mode]
     logits = jnp.broadcast_to(jnp.asarray(LOGITS_16), (NUM_DRAWS, LOGITS_16.shape[0]))
     out = _sample(logits, make_params(NUM_DRAWS, **filters, **keys), jax.random.key(10))
-    return np.asarray(out.token_ids)
+    return np.asarray(out)
 
 
 @pytest.mark.parametrize("key_mode", KEY_MODES)
@@ -298,7 +300,7 @@ def test_greedy_rows_filters_do_not_reach_the_random_rows():
         min_p=np.where(greedy, 0.3, 0.0),
     )
     logits = jnp.broadcast_to(jnp.asarray(LOGITS_16), (NUM_DRAWS, LOGITS_16.shape[0]))
-    tokens = np.asarray(_sample(logits, params, jax.random.key(12)).token_ids)
+    tokens = np.asarray(_sample(logits, params, jax.random.key(12)))
     assert (tokens[greedy] == np.argmax(LOGITS_16)).all()
     assert chi_square_pvalue(tokens[~greedy], reference_distribution(LOGITS_16, 1.0)) > REJECT_BELOW
     assert chi_square_pvalue(tokens[~greedy], reference_distribution(LOGITS_16, 1.0, top_k=2)) < REJECT_BELOW
@@ -308,9 +310,7 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     row = np.full(16, -1.0, np.float32)
     row[:5] = [4.0, 2.0, 2.0, 0.0, 2.5]
     logits = jnp.broadcast_to(jnp.asarray(row), (NUM_DRAWS, 16))
-    samples = np.asarray(
-        _sample(logits, make_params(NUM_DRAWS, temperature=1.0, top_k=3), jax.random.key(11)).token_ids
-    )
+    samples = np.asarray(_sample(logits, make_params(NUM_DRAWS, temperature=1.0, top_k=3), jax.random.key(11)))
     expected = softmax64(np.where(row >= 2.0, row, -np.inf))
     assert chi_square_pvalue(samples, expected) > REJECT_BELOW
 
@@ -352,7 +352,7 @@ def test_penalties_match_the_numpy_reference(seed: int, num_prompt: list[int], p
     repetition, presence, frequency = rng.uniform(0.5, 2.0, BATCH), rng.uniform(-1, 1, BATCH), rng.uniform(-1, 1, BATCH)
     params = make_params(BATCH, repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency)
     got = _apply_penalties(
-        jnp.asarray(logits), params, jnp.asarray(history, jnp.int32), jnp.asarray(num_prompt, jnp.int32)
+        jnp.asarray(logits), params, TokenHistory(jnp.asarray(history, jnp.int32), jnp.asarray(num_prompt, jnp.int32))
     )
     expected = reference_penalties(logits, history, num_prompt, repetition, presence, frequency)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
@@ -374,11 +374,10 @@ def test_penalised_greedy_token_matches_the_reference(active: str):
         jnp.asarray(logits),
         params,
         jax.random.key(0),
-        token_history=jnp.asarray(history, jnp.int32),
-        num_prompt_tokens=jnp.asarray(num_prompt, jnp.int32),
+        history=TokenHistory(jnp.asarray(history, jnp.int32), jnp.asarray(num_prompt, jnp.int32)),
     )
     expected = np.argmax(reference_penalties(logits, history, num_prompt, repetition, presence, frequency), axis=-1)
-    np.testing.assert_array_equal(np.asarray(out.token_ids), expected)
+    np.testing.assert_array_equal(np.asarray(out), expected)
     assert (expected != np.argmax(logits, axis=-1)).any(), "the penalties must change some greedy tokens"
 
 
@@ -388,99 +387,48 @@ def test_neutral_penalties_change_nothing():
     history = jnp.asarray(rng.integers(0, VOCAB + 1, size=(BATCH, HISTORY)), jnp.int32)
     num_prompt = jnp.asarray(rng.integers(0, HISTORY + 1, BATCH), jnp.int32)
     params = make_params(BATCH, temperature=rng.uniform(0.0, 2.0, BATCH), top_p=0.9)
-    np.testing.assert_array_equal(np.asarray(_apply_penalties(logits, params, history, num_prompt)), np.asarray(logits))
-    with_history = _sample(logits, params, jax.random.key(1), token_history=history, num_prompt_tokens=num_prompt)
+    penalised = _apply_penalties(logits, params, TokenHistory(history, num_prompt))
+    np.testing.assert_array_equal(np.asarray(penalised), np.asarray(logits))
+    with_history = _sample(logits, params, jax.random.key(1), history=TokenHistory(history, num_prompt))
     without = _sample(logits, params, jax.random.key(1))
-    np.testing.assert_array_equal(np.asarray(with_history.token_ids), np.asarray(without.token_ids))
+    np.testing.assert_array_equal(np.asarray(with_history), np.asarray(without))
 
 
 @pytest.mark.parametrize("penalties", [False, True])
 def test_greedy_only_variant_matches_the_general_sampler_on_greedy_rows(penalties):
-    """The all-greedy variant (an argmax, no conditionals) gives the general sampler's tokens and logprobs."""
+    """The all-greedy variant (an argmax, no conditionals) gives the general sampler's tokens."""
     rng = np.random.default_rng(15)
     logits = jnp.asarray(rng.normal(0.0, 3.0, size=(BATCH, VOCAB)).astype(np.float32))
     history = jnp.asarray(rng.integers(0, VOCAB + 1, size=(BATCH, HISTORY)), jnp.int32)
     num_prompt = jnp.asarray(rng.integers(0, HISTORY + 1, BATCH), jnp.int32)
     fields = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3) if penalties else {}
     params = make_params(BATCH, top_k=np.where(np.arange(BATCH) % 2, 1, 0), **fields)  # temperature 0 or top_k 1
-    extra = dict(token_history=history, num_prompt_tokens=num_prompt) if penalties else {}
+    extra = dict(history=TokenHistory(history, num_prompt)) if penalties else {}
     general = _sample(logits, params, jax.random.key(2), **extra)
     greedy = _sample(logits, params, jax.random.key(2), greedy_only=True, **extra)
-    np.testing.assert_array_equal(np.asarray(greedy.token_ids), np.asarray(general.token_ids))
-    np.testing.assert_array_equal(np.asarray(greedy.logprobs), np.asarray(general.logprobs))
+    np.testing.assert_array_equal(np.asarray(greedy), np.asarray(general))
     if penalties:
-        assert (np.asarray(greedy.token_ids) != np.argmax(np.asarray(logits), axis=-1)).any(), "penalties unused"
-
-
-def test_history_and_prompt_lengths_come_together():
-    params = make_params(2)
-    with pytest.raises(ValueError, match="token_history and num_prompt_tokens"):
-        sample(jnp.zeros((2, 8)), params, jax.random.key(0), token_history=jnp.zeros((2, 3), jnp.int32))
+        assert (np.asarray(greedy) != np.argmax(np.asarray(logits), axis=-1)).any(), "penalties unused"
 
 
 # ---------------------------------------------------------------------------------------------
-# Logprobs
+# SamplingInputs as the sampler receives them
 # ---------------------------------------------------------------------------------------------
 
 
-def test_logprobs_are_the_raw_model_distribution():
-    rng = np.random.default_rng(14)
-    batch, vocab, num_top = 8, 50, 5
-    logits = rng.normal(0.0, 2.0, size=(batch, vocab)).astype(np.float32)
-    params = make_params(
-        batch, temperature=rng.choice([0.0, 0.5, 1.5], batch), top_k=7, repetition_penalty=1.7, presence_penalty=0.5
-    )
-    history = jnp.asarray(rng.integers(0, vocab, size=(batch, 6)), jnp.int32)
-    out = _sample(
-        jnp.asarray(logits),
-        params,
-        jax.random.key(2),
-        num_top_logprobs=num_top,
-        token_history=history,
-        num_prompt_tokens=jnp.full(batch, 3, jnp.int32),
-    )
-    reference = np.log(softmax64(logits))
-    tokens = np.asarray(out.token_ids)
-    np.testing.assert_allclose(np.asarray(out.logprobs), reference[np.arange(batch), tokens], rtol=1e-5, atol=1e-5)
-    best = np.argsort(-reference, axis=-1)[:, :num_top]
-    np.testing.assert_array_equal(np.asarray(out.top_token_ids), best)
-    np.testing.assert_allclose(
-        np.asarray(out.top_logprobs), np.take_along_axis(reference, best, -1), rtol=1e-5, atol=1e-5
-    )
-
-
-def test_compute_logprobs_scores_given_tokens():
-    rng = np.random.default_rng(15)
-    tokens, vocab = 20, 40
-    logits = rng.normal(0.0, 4.0, size=(tokens, vocab)).astype(np.float32)
-    targets = rng.integers(0, vocab, tokens)
-    chosen, top, top_ids = _compute_logprobs(jnp.asarray(logits), jnp.asarray(targets, jnp.int32), num_top=3)
-    reference = np.log(softmax64(logits))
-    np.testing.assert_allclose(np.asarray(chosen), reference[np.arange(tokens), targets], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-reference, axis=-1)[:, :3])
-    np.testing.assert_allclose(np.asarray(top), np.sort(reference, axis=-1)[:, ::-1][:, :3], rtol=1e-5, atol=1e-5)
-    _, none, none_ids = _compute_logprobs(jnp.asarray(logits), jnp.asarray(targets, jnp.int32), num_top=0)
-    assert none.shape == (tokens, 0) and none_ids.shape == (tokens, 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# SamplingTensors
-# ---------------------------------------------------------------------------------------------
-
-
-def test_from_arrays_fixes_dtypes_and_wraps_seeds():
+def test_from_columns_fixes_dtypes_and_wraps_seeds():
     params = make_params(3, seed=np.array([-1, 2**32 + 5, 7]), top_k=np.array([1.0, 2.0, 3.0]))
     np.testing.assert_array_equal(np.asarray(params.seed), np.array([2**32 - 1, 5, 7], np.uint32))
-    assert params.top_k.dtype == jnp.int32 and params.temperature.dtype == jnp.float32
-    assert params.seed.dtype == jnp.uint32 and params.has_seed.dtype == jnp.bool_
-    assert SamplingTensors.neutral(5).top_p.shape == (5,)
+    assert params.top_k.dtype == np.int32 and params.temperature.dtype == np.float32
+    assert params.seed.dtype == np.uint32 and params.has_seed.dtype == np.bool_
+    assert SamplingInputs.neutral(5).top_p.shape == (5,)
 
 
-def test_from_arrays_names_the_bad_field():
-    arrays = {name: np.zeros(4) for name in SamplingTensors.__dataclass_fields__}
+def test_from_columns_names_the_bad_field():
+    arrays = {name: np.zeros(4) for name in SamplingInputs.__dataclass_fields__}
     with pytest.raises(ValueError, match="top_p has shape"):
-        SamplingTensors.from_arrays(**{**arrays, "top_p": np.ones(3)})
-    with pytest.raises(ValueError, match="missing fields \\['min_p'\\]"):
-        SamplingTensors.from_arrays(**{k: v for k, v in arrays.items() if k != "min_p"})
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        SamplingTensors.neutral(0)
+        SamplingInputs.from_columns(**{**arrays, "top_p": np.ones(3)})
+    with pytest.raises(ValueError, match="missing columns \\['min_p'\\]"):
+        SamplingInputs.from_columns(**{k: v for k, v in arrays.items() if k != "min_p"})
+    with pytest.raises(ValueError, match="num_rows must be >= 1"):
+        SamplingInputs.neutral(0)

@@ -9,6 +9,7 @@ overlap happened.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 
@@ -18,8 +19,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.block_manager import RESERVED_BLOCK, BlockManager
-from jaxserve.config import CapacityPolicy, EngineConfig, KvCacheConfig, SchedulerConfig
-from jaxserve.inputs import BucketTable, carried_tokens, make_step_inputs
+from jaxserve.config import CapacityPolicy, CompileConfig, EngineConfig, KvCacheConfig, SchedulerConfig
+from jaxserve.inputs import StepConfig, make_step_inputs
 from jaxserve.request import IllegalTransition, Request, RequestStatus, make_requests
 from jaxserve.sampling import FinishReason, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler
@@ -295,7 +296,8 @@ def test_overlap_schedules_the_next_step_before_the_previous_update():
     second = scheduler.schedule()  # step 1's token is still on the device
     (row,) = second.rows
     assert row.input_pending and row.token_ids == [] and (row.start, row.generation_index) == (3, 1)
-    assert carried_tokens(second, first, 2).mask.tolist() == [True, False]
+    carried = make_step_inputs(second, first, steps_of(scheduler))[0].carried_mask
+    assert carried[0] and not carried[1:].any()
     scheduler.update(first, np.array([tokens[0]]))
     third = scheduler.schedule()
     scheduler.update(second, np.array([tokens[1]]))  # stop token: finished while step 3 is in flight
@@ -322,11 +324,11 @@ class FakeDevice:
     """A KV cache of prefix fingerprints; checks every step's inputs against each sequence's true tokens."""
 
     scheduler: Scheduler
-    buckets: BucketTable
+    steps: StepConfig
     kv: np.ndarray = field(init=False)
 
     def __post_init__(self):
-        self.kv = np.full(self.scheduler.block_manager.num_blocks * self.buckets.block_size, -1, dtype=np.int64)
+        self.kv = np.full(self.scheduler.block_manager.num_blocks * self.steps.buckets.block_size, -1, dtype=np.int64)
 
     @staticmethod
     def true_tokens(request: Request, length: int) -> list[int]:
@@ -338,13 +340,13 @@ class FakeDevice:
         return zlib.crc32(np.asarray(tokens, dtype=np.int32).tobytes())
 
     def run(self, batch: ScheduledBatch, previous: ScheduledBatch | None, previous_sampled) -> np.ndarray:
-        inputs = make_step_inputs(batch, self.buckets)
-        assert inputs.bucket in self.buckets.buckets
-        carried = carried_tokens(batch, previous, inputs.bucket.num_seqs)
+        inputs, bucket, variant = make_step_inputs(batch, previous, self.steps)
+        assert (bucket, variant) in self.steps.compiled_steps()
+        carried = inputs.carried_mask
         token_ids = inputs.token_ids.copy()
-        if carried.mask.any():
-            token_ids[inputs.logits_indices[carried.mask]] = previous_sampled[carried.source_row[carried.mask]]
-        bs = self.buckets.block_size
+        if carried.any():
+            token_ids[inputs.logits_indices[carried]] = previous_sampled[inputs.carried_source[carried]]
+        bs = self.steps.buckets.block_size
         assert np.all(inputs.slot_mapping[inputs.cu_q_lens[-1] :] // bs == RESERVED_BLOCK)
         for b, row in enumerate(batch.rows):
             lo, hi = inputs.cu_q_lens[b], inputs.cu_q_lens[b + 1]
@@ -361,16 +363,22 @@ class FakeDevice:
             for position in range(end):
                 slot = inputs.block_table[b, position // bs] * bs + position % bs
                 assert self.kv[slot] == self.fingerprint(truth[: position + 1]), (row.request.request_id, position)
-        sampled = np.zeros(inputs.bucket.num_seqs, dtype=np.int32)
+        sampled = np.zeros(bucket.num_seqs, dtype=np.int32)
         for b, row in enumerate(batch.rows):
             assert row.generation_index == row.start + row.num_tokens - row.request.num_prompt_tokens or not row.samples
             sampled[b] = true_token(row.request, row.generation_index)
         return sampled
 
 
+def steps_of(scheduler: Scheduler) -> StepConfig:
+    """The step configuration of an engine with the scheduler's limits (every variant compiled)."""
+    config = scheduler.config
+    return StepConfig.from_config(dataclasses.replace(config, compile=CompileConfig(penalty_variants=True)), 10**6)
+
+
 def drive(scheduler: Scheduler, overlap: bool, aborts: dict[int, str], max_steps: int = 2000):
     """The engine loop (optionally overlapped: step N+1 scheduled before step N's update) over a fake device."""
-    device = FakeDevice(scheduler, BucketTable.from_config(scheduler.config))
+    device = FakeDevice(scheduler, steps_of(scheduler))
     config = scheduler.config
     in_flight = None  # (batch, sampled) awaiting update
     for step_index in range(max_steps):

@@ -17,12 +17,11 @@ CHECK = textwrap.dedent(
     import json
     import jax, jax.numpy as jnp, numpy as np
     import transformers
-    from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxserve.runner import Runner, RunnerSpec
     from models import registry
-    from models.attention import PagedAttentionMetadata, init_paged_cache
+    from models.attention import PagedAttentionMetadata, init_paged_cache, paged_cache_specs
     from sharding.mesh import make_mesh
-    from sharding.rules import shard_weights
+    from sharding.rules import named_shardings, shard_weights
 
     assert jax.device_count() == 4, jax.devices()
 
@@ -49,7 +48,7 @@ CHECK = textwrap.dedent(
         w, cache = weights, init_paged_cache(cfg, 8, 16, jnp.float32)
         if mesh is not None:
             w = shard_weights(weights, family.param_specs(cfg), mesh)
-            cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, None, "model", None)))
+            cache = jax.device_put(cache, named_shardings(paged_cache_specs(cfg, 8, 16), mesh))
         logits = []
         for s in steps:
             meta = PagedAttentionMetadata(
@@ -78,15 +77,15 @@ CHECK = textwrap.dedent(
         slot_mapping=i32([36, 57]), block_table=i32([[1, 2], [3, 0]]), kv_lens=i32([21, 10]), cu_q_lens=i32([0, 1, 2]),
         num_seqs=i32(2), backend="pallas", max_q_len=1, mesh=mesh)
     w = shard_weights(family.init_weights(cfg, jax.random.key(0), jnp.bfloat16), family.param_specs(cfg), mesh)
-    cache = jax.device_put(init_paged_cache(cfg, 8, 16, jnp.bfloat16),
-                           NamedSharding(mesh, P(None, None, None, "model", None)))
+    cache_shardings = named_shardings(paged_cache_specs(cfg, 8, 16), mesh)
+    cache = jax.device_put(init_paged_cache(cfg, 8, 16, jnp.bfloat16), cache_shardings)
     step = lambda w, cache, t, p: family.forward(w, t, p, cache, meta, cfg)
     lowered = jax.jit(step).trace(w, cache, i32([1, 2]), i32([20, 9])).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     results["cuda"] = dict(triton=text.count("xla.gpu.triton"), manual=text.count("manual"))
 
     family3, cfg3 = model(4, 2)
-    spec = RunnerSpec(family3, cfg3, None, jnp.float32, "pallas", 64, 0, False)
+    spec = RunnerSpec(family3, cfg3, None, jnp.float32, "pallas", 0)
     try:
         Runner(spec, family3.init_weights(cfg3, jax.random.key(0), jnp.float32), make_mesh(tp=4))
         results["error"] = None

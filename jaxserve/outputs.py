@@ -1,0 +1,174 @@
+"""Host output processing: detokenizing, stop strings, logprob dictionaries, n-sample groups and
+RequestOutput building (vLLM's OutputProcessor; the engine loop stays free of it).
+
+The engine feeds each sample's new token once the scheduler has applied the token stop rules (EOS,
+stop ids, length): `add_token` detokenizes it, records its logprobs and returns the stop string it
+completed, if any, for the engine to finish the request with. A stop string ends the text where it
+begins (it is not part of the output); while a sample runs, the tail of its text that could still
+begin a stop string is held back, so a streamed text only grows and ends exactly where the
+non-streamed one does. A stop string found in the same token as a length stop wins, as in vLLM.
+
+Host policy: no jax here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxserve.request import Request
+from jaxserve.sampling import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from jaxserve.scheduler import ScheduledBatch
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+
+if TYPE_CHECKING:
+    from jaxserve.logprobs import TokenLogprobs
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One of a request's n samples, as the user sees it."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs]
+    stop: str | None = None  # the stop string that ended the text ...
+    stop_index: int | None = None  # ... and where it begins
+
+    @property
+    def text(self) -> str:
+        """The text so far: up to the stop string, or without the tail that may still begin one."""
+        text = self.detokenizer.text
+        if self.stop_index is not None:
+            return text[: self.stop_index]
+        stops = self.request.sampling_params.stop
+        if self.request.is_finished or not stops:
+            return text
+        return text[: len(text) - stop_holdback(text, stops)]
+
+    def completion(self) -> CompletionOutput:
+        request = self.request
+        reason = request.finish_reason.value if request.finish_reason is not None else None
+        if self.stop is not None and request.is_finished:
+            reason = FinishReason.STOP.value
+        return CompletionOutput(
+            index=request.index,
+            text=self.text,
+            token_ids=list(request.output_token_ids),
+            logprobs=list(self.logprobs) if request.sampling_params.logprobs is not None else None,
+            finish_reason=reason,
+            stop_reason=self.stop if self.stop is not None else request.stop_reason,
+        )
+
+
+@dataclass(slots=True)
+class _Group:
+    """The n samples of one request id."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    # Position 0 has none; position p + 1 is appended once the step computing position p is read.
+    prompt_logprobs: list[PositionLogprobs | None] | None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class OutputProcessor:
+    """The user-facing state of every unfinished request; see the module docstring."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._groups: dict[str, _Group] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], samples: list[Request]) -> None:
+        """Starts tracking a request's samples (they share its prompt and parameters)."""
+        params = samples[0].sampling_params
+        self._groups[request_id] = _Group(
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            samples=[
+                _Sample(r, IncrementalDetokenizer(self._tokenizer, prompt_token_ids, params.skip_special_tokens), [])
+                for r in samples
+            ],
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    def is_finished(self, request_id: str) -> bool:
+        return self._groups[request_id].finished
+
+    def add_token(self, request: Request, logprobs: TokenLogprobs | None, row: int) -> str | None:
+        """Takes the sample's newest token (and its logprobs at `row` of the step); returns the stop string
+        its text now contains, for the caller to finish the request with, or None."""
+        sample = self._groups[request.request_id].samples[request.index]
+        if sample.stop is not None:
+            return None
+        token, params = request.token_ids[-1], request.sampling_params
+        if logprobs is not None and params.logprobs is not None:
+            sample.logprobs.append(position_logprobs(logprobs, row, token, params.logprobs))
+        detokenizer = sample.detokenizer
+        checked = len(detokenizer.text)
+        detokenizer.add(token)
+        if request.is_finished:
+            detokenizer.flush()
+        stops = params.stop
+        if not stops:
+            return None
+        index = find_stop(detokenizer.text, stops, checked - max(len(s) for s in stops) + 1)
+        if index is None:
+            return None
+        sample.stop_index = index
+        sample.stop = min((s for s in stops if detokenizer.text.startswith(s, index)), key=len)
+        return sample.stop
+
+    def add_prompt_logprobs(self, batch: ScheduledBatch, logprobs: TokenLogprobs) -> None:
+        """Records the prompt positions a step scored (flat token t of a row at position p scores prompt
+        position p + 1), each position once: a recomputed prompt (preemption) is skipped."""
+        offsets = np.cumsum([0] + [row.num_tokens for row in batch.rows[:-1]])
+        for row, offset in zip(batch.rows, offsets.tolist(), strict=True):
+            request = row.request
+            k = request.sampling_params.prompt_logprobs
+            group = self._groups.get(request.request_id)
+            if not row.is_prefill or k is None or group is None or group.prompt_logprobs is None:
+                continue
+            entries, prompt = group.prompt_logprobs, request.prompt_token_ids
+            for i in range(row.num_tokens):
+                position = row.start + i + 1
+                if position < len(prompt) and position == len(entries):
+                    entries.append(position_logprobs(logprobs, offset + i, prompt[position], k))
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The request's output now; a finished request is forgotten once its output is built."""
+        group = self._groups[request_id]
+        first = group.samples[0].request
+        errors = [s.request.error for s in group.samples if s.request.error]
+        output = RequestOutput(
+            request_id=request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=[s.completion() for s in group.samples],
+            finished=group.finished,
+            metrics=first.metrics,
+            error=errors[0] if errors else None,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+        )
+        if output.finished:
+            del self._groups[request_id]
+        return output
+
+
+def position_logprobs(logprobs: TokenLogprobs, row: int, token: int, num_top: int) -> PositionLogprobs:
+    """vLLM's per-position dict from one row of (host) TokenLogprobs: the top `num_top` tokens with their
+    ranks, and `token` (the sampled or prompt token) with its own rank when it is not among them."""
+    top = zip(logprobs.top_ids[row, :num_top].tolist(), logprobs.top_logprobs[row, :num_top].tolist(), strict=True)
+    entry = {token_id: Logprob(lp, rank=r + 1) for r, (token_id, lp) in enumerate(top)}
+    if token not in entry:
+        entry[token] = Logprob(float(logprobs.logprob[row]), rank=int(logprobs.rank[row]))
+    return entry
