@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +85,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
+        self._empty_pool()
+
+    def _empty_pool(self) -> None:
+        num_blocks = self.num_blocks
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
@@ -246,6 +250,18 @@ class BlockManager:
                     self._free.append(block)
         request.block_ids = []
         request.block_hashes = []
+
+    def reset(self, requests: Iterable[Request]) -> None:
+        """Every block free and no prefix cached; `requests` (every one that held blocks) hold none.
+
+        The way back to a known state after a step failed or was interrupted, whatever the pool's
+        bookkeeping then was: the KV contents are no longer trusted, so no cached prefix survives.
+        """
+        self._empty_pool()
+        for request in requests:
+            request.block_ids = []
+            request.block_hashes = []
+            request.num_cached_tokens = 0
 
     # ---- internals -----------------------------------------------------------------------------
 

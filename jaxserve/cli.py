@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         text = run(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
+    except (FileNotFoundError, ValueError, TypeError, RuntimeError) as error:
         print(f"jaxserve: error: {error}", file=sys.stderr)
         return 1
     print(text)

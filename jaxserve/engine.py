@@ -9,6 +9,14 @@ overlapped with the device work of step N.
 Overlap (DESIGN.md): step N+1 is dispatched before step N's tokens are read; the tokens step N
 sampled stay on the device and the compiled step gathers them into step N+1's inputs. A request
 that finished at step N wastes at most one token of step N+1.
+
+Failures: a request whose step inputs cannot be built finishes with an error and the others run on.
+An exception that escapes a step (a device error, a KeyboardInterrupt) leaves a defined state before
+it propagates: the steps in flight are dropped, every unfinished request waits to be recomputed from
+the tokens the host has, and the prefix cache is emptied; the next step serves them again.
+
+One thread steps the engine; other threads submit and abort through `submit` / `submit_abort`, which
+the engine applies at the start of its next step.
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ import collections
 import dataclasses
 import itertools
 import logging
+import queue
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +45,7 @@ from jaxserve.outputs import OutputProcessor
 from jaxserve.request import make_requests
 from jaxserve.runner import Runner, RunnerSpec, StepOutput, enable_compilation_cache, resolve_backend
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
-from jaxserve.scheduler import ScheduledBatch, Scheduler
+from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
 from jaxserve.tokenizer import Tokenizer
 from models.registry import ModelConfig, ModelFamily
 
@@ -97,8 +108,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.outputs = OutputProcessor(tokenizer)
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=100_000)
-        self._in_flight: _InFlight | None = None
+        self._in_flight: collections.deque[_InFlight] = collections.deque()  # oldest first; at most two
         self._finished_outside_steps: list[str] = []
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stepping = False  # inside step(): an abort from a finaliser waits for the next one
         self._ids = itertools.count()
         shapes = [(b.num_tokens, b.num_seqs) for b in self.buckets.buckets]
         logger.info("engine ready: backend=%s, dtype=%s, buckets=%s", backend, np.dtype(dtype).name, shapes)
@@ -114,8 +127,13 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        stream: bool = False,
     ) -> str:
-        """Queues a prompt (text or token ids); raises ValueError on bad input. Returns the request id."""
+        """Queues a prompt (text or token ids); raises ValueError on bad input. Returns the request id.
+
+        stream: `step` reports the request after every step that changes it, else only once finished.
+        """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -123,6 +141,9 @@ class Engine:
         # invalid value must fail here, on its request, not inside a step shared with other requests.
         params = dataclasses.replace(params)
         self.steps.check_supported(params, len(self.tokenizer.eos_token_ids))
+        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size - 1}] (the vocabulary), got {outside}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         else:
@@ -133,7 +154,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = frozenset(self.tokenizer.eos_token_ids)
         samples = make_requests(request_id, ids, params, eos_token_ids=eos, prompt=text)
-        self.outputs.add(request_id, text, ids, samples)
+        self.outputs.add(request_id, text, ids, samples, stream=stream)
         for request in samples:
             self.scheduler.add(request)
         if any(r.is_finished for r in samples):
@@ -141,48 +162,124 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Finishes every sample of the request (reason "abort"); its final output comes with the next step."""
+        """Finishes every sample of the request (reason "abort") and frees its blocks; its final output comes
+        with the next step. Called from inside a step (a stream's finaliser), it waits for the next one."""
+        if self._stepping:
+            self._inbox.put(lambda: self.abort(request_id))
+            return
         if self.scheduler.abort(request_id):
             self._finished_outside_steps.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._finished_outside_steps)
+        pending = self._in_flight or self._finished_outside_steps or not self._inbox.empty()
+        return self.scheduler.has_unfinished() or bool(pending)
+
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Future[str]:
+        """Thread-safe `add_request(..., stream=True)`: applied at the engine's next step; the future holds
+        the request id, or the error that refused the request."""
+        future: Future[str] = Future()
+
+        def add() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self.add_request(prompt, params, request_id, stream=True))
+                except Exception as error:
+                    future.set_exception(error)
+
+        self._inbox.put(add)
+        return future
+
+    def submit_abort(self, request_id: str) -> None:
+        """Thread-safe `abort`: applied at the engine's next step."""
+        self._inbox.put(lambda: self.abort(request_id))
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Dispatches the next step, then processes the previous one; returns the requests that changed.
-
-        finished_only: return only requests that finished (batch generation needs no partial outputs,
-        and building them for every running request each step is host time on the critical path).
-        """
-        batch = self.scheduler.schedule()
-        launched = self._launch(batch) if not batch.is_empty else None
-        previous, self._in_flight = self._in_flight, launched
-        changed = self._process(previous) if previous is not None else set()
+    def step(self) -> list[RequestOutput]:
+        """Dispatches the next step, then processes the previous one; returns the outputs of the requests
+        that changed and are streamed or finished (batch generation needs no partial outputs, and building
+        them for every running request each step is host time on the critical path)."""
+        while not self._inbox.empty():
+            self._inbox.get_nowait()()
+        self._stepping = True
+        try:
+            changed = self._step()
+        except BaseException:
+            self._recover()
+            raise
+        finally:
+            self._stepping = False
         changed.update(self._finished_outside_steps)
         self._finished_outside_steps.clear()
-        if finished_only:
-            changed = {i for i in changed if self.outputs.is_finished(i)}
+        changed = {i for i in changed if self.outputs.wants_output(i)}
         return [self.outputs.output(request_id) for request_id in sorted(changed, key=_numeric_first)]
 
-    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+    def _step(self) -> set[str]:
+        batch = self.scheduler.schedule()
+        launched = self._launch(batch) if not batch.is_empty else None
+        if launched is not None:
+            self._in_flight.append(launched)
+        changed: set[str] = set()
+        # Every step in flight but the one just launched; each leaves the queue once processed.
+        while len(self._in_flight) > (launched is not None):
+            changed |= self._process(self._in_flight[0])
+            self._in_flight.popleft()
+        return changed
+
+    def _launch(self, batch: ScheduledBatch) -> _InFlight | None:
         start = time.perf_counter()
-        previous = self._in_flight.batch if self._in_flight is not None else None
-        inputs, bucket, variant = make_step_inputs(batch, previous, self.steps)
+        previous = self._in_flight[-1].batch if self._in_flight else None
+        try:
+            inputs, bucket, variant = make_step_inputs(batch, previous, self.steps)
+        except Exception as error:
+            self._fail_rows(batch, previous, error)
+            return None
         dispatch_start = time.perf_counter()
         output = self.runner.run(inputs, bucket, variant)
         return _InFlight(batch, output, self._stats(batch, bucket, start, dispatch_start))
+
+    def _fail_rows(self, batch: ScheduledBatch, previous: ScheduledBatch | None, error: Exception) -> None:
+        """The rows whose inputs cannot be built alone finish with the error (all rows, when none can be
+        singled out); the others are recomputed in a later step."""
+        logger.exception("building a step's inputs failed")
+
+        def fails(row: ScheduledRow) -> bool:
+            try:
+                make_step_inputs(ScheduledBatch([row], num_prefill_rows=int(row.is_prefill)), previous, self.steps)
+            except Exception:
+                return True
+            return False
+
+        culprits = [row.request for row in batch.rows if fails(row)] or [row.request for row in batch.rows]
+        message = f"this request's step inputs could not be built: {type(error).__name__}: {error}"
+        for request in culprits:
+            self.scheduler.finish(request, FinishReason.ERROR, error=message)
+            self._finished_outside_steps.append(request.request_id)
+        for row in batch.rows:
+            if not row.request.is_finished:
+                self.scheduler.preempt(row.request)
+
+    def _recover(self) -> None:
+        """The defined state after an exception escaped a step (see the module docstring)."""
+        logger.warning(
+            "a step failed or was interrupted: %d steps in flight dropped, requests requeued", len(self._in_flight)
+        )
+        self._in_flight.clear()
+        self.scheduler.requeue_all()
+        self.runner.recover()
 
     def _process(self, flight: _InFlight) -> set[str]:
         """Waits for a step's tokens, updates the scheduler, then the outputs; a stop string finishes its
         request. Returns the ids of the requests that got a token."""
         batch, out = flight.batch, flight.output
         tokens = np.asarray(out.token_ids)[: len(batch.rows)]
-        if out.prompt_logprobs is not None:
-            self.outputs.add_prompt_logprobs(batch, jax.device_get(out.prompt_logprobs))
+        prompt_logprobs = jax.device_get(out.prompt_logprobs) if out.prompt_logprobs is not None else None
         wants_logprobs = any(row.request.sampling_params.logprobs is not None for row in batch.rows)
         logprobs = jax.device_get(out.logprobs) if wants_logprobs else None
+        if prompt_logprobs is not None:
+            self.outputs.add_prompt_logprobs(batch, prompt_logprobs)
         received = self.scheduler.update(batch, tokens)
         self.stats.append(flight.stats)
         row_of = {id(row.request): i for i, row in enumerate(batch.rows)}

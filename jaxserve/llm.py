@@ -1,12 +1,18 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, `chat`, `stream`.
 
-A thin layer over `Engine`: it loads the model (a name, a path, or parameters already in memory),
-derives the engine limits with TensorRT-LLM's rules, and drives the step loop.
+A thin layer over `Engine`: it checks its arguments, loads the model (a name, a path, or parameters
+already in memory), derives the engine limits with TensorRT-LLM's rules, and drives the step loop.
+Every call drives the same engine: each step's outputs go to the mailbox of the request they belong
+to, so `generate` calls and several `stream` iterators can be consumed in any order from one thread.
+A call that raises (a bad prompt, a KeyboardInterrupt) aborts the requests it added; a stream that is
+closed or dropped aborts its request, whose KV blocks are freed at once.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,9 +20,10 @@ import jax
 from jax.sharding import Mesh
 
 from jaxserve import capacity
-from jaxserve.config import CompileConfig, KvCacheConfig, SchedulerConfig, make_engine_config
+from jaxserve.config import DTYPES, CompileConfig, KvCacheConfig, SchedulerConfig, make_engine_config
 from jaxserve.engine import Engine, StepStats
-from jaxserve.sampling import RequestOutput, SamplingParams
+from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
+from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from models.hub import DEFAULT_MODEL
 from models.loader import LoadedModel, load_model
@@ -24,8 +31,7 @@ from sharding.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -45,18 +51,22 @@ class LLM:
     model: the default name (`smollm2-135m-instruct`), a Hugging Face directory, a .gguf file, an orbax
         checkpoint directory, a hub id, or a `LoadedModel` (e.g. from `models.loader.load_from_pytree`
         for parameters just trained).
+    tokenizer: a `Tokenizer`, or a path it loads from (a model directory or a .gguf file); None takes
+        the model's own.
     dtype: "auto" loads a checkpoint in bfloat16 on an accelerator and float32 on CPU and serves a
         `LoadedModel` in its own dtype; "float32" / "bfloat16" / "float16" loads, or casts, the weights to it.
     max_batch_size: sequences per step (default 256 on GPU, 8 on CPU); max_num_tokens: tokens per
         step (default 8192, at most max_batch_size * max_seq_len); max_seq_len: from the model config
         when None (a larger value is lowered to it, with a warning).
+    tensor_parallel_size: devices the weights and the KV cache are split over.
+    seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
     """
 
     def __init__(
         self,
-        model: str | LoadedModel = DEFAULT_MODEL,
+        model: str | os.PathLike | LoadedModel = DEFAULT_MODEL,
         *,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | str | os.PathLike | None = None,
         dtype: str = "auto",
         max_batch_size: int | None = None,
         max_num_tokens: int | None = None,
@@ -69,16 +79,13 @@ class LLM:
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
+        _check_arguments(model, dtype, max_batch_size, tensor_parallel_size, seed, show_progress)
         capacity.raise_memory_fraction_default()
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=resolve_dtype(dtype))
-        if tokenizer is None:
-            if loaded.tokenizer_source is None:
-                raise ValueError(f"{loaded.source} has no tokenizer: pass tokenizer=Tokenizer.from_source(...)")
-            tokenizer = Tokenizer.from_source(loaded.tokenizer_source)
-        self.model, self.tokenizer = loaded, tokenizer
+        self.model, self.tokenizer = loaded, _tokenizer(tokenizer, loaded)
         self.config = make_engine_config(
             loaded.hf_config,
-            max_batch_size=max_batch_size or default_max_batch_size(),
+            max_batch_size=default_max_batch_size() if max_batch_size is None else max_batch_size,
             max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len,
             kv_cache=kv_cache_config,
@@ -92,12 +99,14 @@ class LLM:
             loaded.family,
             loaded.config,
             loaded.weights,
-            tokenizer,
+            self.tokenizer,
             self.config,
             mesh=mesh,
-            seed=seed,
+            seed=seed % SEED_MODULUS,
             show_progress=show_progress,
         )
+        # The latest output of every request a call of this LLM is waiting for (None: none yet).
+        self._mailboxes: dict[str, RequestOutput | None] = {}
 
     @property
     def step_stats(self) -> list[StepStats]:
@@ -106,27 +115,31 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Completes every prompt (text, or a list of token ids); outputs in the order of the prompts.
+        """Completes every prompt; outputs in the order of the prompts (see `jaxserve.prompts` for what a
+        prompt can be).
 
         A prompt the engine can never serve (too long for max_seq_len, ...) comes back finished with
-        `error` set; the others are served. Malformed input (bad ids, bad params) raises ValueError.
+        `error` set; the others are served. Malformed input raises (TypeError for a wrong type,
+        ValueError for a bad value) and queues nothing.
         """
-        prompts = _as_prompt_list(prompts)
+        from tqdm.auto import tqdm
+
+        prompts = normalize_prompts(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids: list[str] = []
+        ids = self._add_all(prompts, params)
         try:
-            for prompt, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, sp))
-        except ValueError as error:
-            for request_id in ids:  # all or nothing: the valid prompts queued so far are withdrawn
-                self.engine.abort(request_id)
-            self._drain()
-            raise ValueError(f"prompt {len(ids)}: {error}") from error
-        return self._run(ids, use_tqdm)
+            with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as progress:
+                outputs = self._finals(ids, progress.update)
+        except BaseException:
+            for request_id in ids:
+                self._abort(request_id)
+            raise
+        self._drain()
+        return outputs
 
     def chat(
         self,
@@ -139,49 +152,158 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yields the request's partial output after every step that added a token; the last one is finished."""
-        request_id = self.engine.add_request(prompt, sampling_params)
-        while True:
-            for output in self.engine.step():
-                if output.request_id == request_id:
-                    yield output
-                    if output.finished:
-                        self._drain()
-                        return
+    def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> RequestStream:
+        """An iterator over the request's output after every step that changed it; the last is finished.
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
+        The request is queued now (bad input raises here). Closing the iterator, or dropping it, aborts
+        the request and frees its blocks.
+        """
+        request_id = self._add(normalize_prompt(prompt), sampling_params, stream=True)
+        return RequestStream(self, request_id)
 
+    # ---- the shared step loop -------------------------------------------------------------------
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None, stream: bool) -> str:
+        request_id = self.engine.add_request(prompt, params, stream=stream)
+        self._mailboxes[request_id] = None
+        return request_id
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
+        """All or nothing: the first prompt that raises withdraws the ones queued before it."""
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                ids.append(self._add(prompt, sp, stream=False))
+        except BaseException as error:
+            for request_id in ids:
+                self._abort(request_id)
+            self._drain()
+            if type(error) in (ValueError, TypeError):
+                raise type(error)(f"prompt {len(ids)}: {error}") from error
+            raise
+        return ids
+
+    def _pump(self) -> list[str]:
+        """One engine step; each output goes to its request's mailbox. Returns the ids that got one."""
+        if not self.engine.has_unfinished():
+            raise RuntimeError("the engine has nothing left to run, but a request of this LLM is unfinished")
+        delivered = []
+        for output in self.engine.step():
+            if output.request_id in self._mailboxes:  # else: aborted by its caller, nobody waits for it
+                self._mailboxes[output.request_id] = output
+                delivered.append(output.request_id)
+        return delivered
+
+    def _take(self, request_id: str) -> RequestOutput | None:
+        """The request's latest undelivered output; a finished request's mailbox closes."""
+        output = self._mailboxes.get(request_id)
+        if output is not None:
+            self._mailboxes[request_id] = None
+            if output.finished:
+                del self._mailboxes[request_id]
+        return output
+
+    def _finals(self, request_ids: list[str], on_finished: Any) -> list[RequestOutput]:
+        """Steps the engine until every request has its final output."""
         done: dict[str, RequestOutput] = {}
-        wanted = set(request_ids)
-        with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as progress:
-            while len(done) < len(request_ids):
-                for output in self.engine.step(finished_only=True):
-                    if output.request_id in wanted:
-                        done[output.request_id] = output
-                        progress.update(1)
-        self._drain()
+        waiting = set(request_ids)
+
+        def collect(request_id: str) -> None:
+            output = self._take(request_id)
+            if output is not None and output.finished:
+                done[request_id] = output
+                waiting.discard(request_id)
+                on_finished(1)
+
+        for request_id in request_ids:  # finished while another call stepped the engine
+            collect(request_id)
+        while waiting:
+            for request_id in self._pump():
+                if request_id in waiting:
+                    collect(request_id)
         return [done[i] for i in request_ids]
 
+    def _abort(self, request_id: str) -> None:
+        self._mailboxes.pop(request_id, None)
+        self.engine.abort(request_id)
+
     def _drain(self) -> None:
-        """Reads back the step still in flight, so the engine is idle between calls."""
+        """Reads back the step still in flight once no request runs, so the engine is idle between calls."""
         while self.engine.has_unfinished() and not self.engine.scheduler.has_unfinished():
-            self.engine.step(finished_only=True)
+            self._pump()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt of token ids
-    return prompts
+class RequestStream(Iterator[RequestOutput]):
+    """One request's outputs as they grow (see `LLM.stream`); `close()` or dropping it aborts the request."""
+
+    def __init__(self, llm: LLM, request_id: str) -> None:
+        self.request_id = request_id
+        self._llm: LLM | None = llm
+
+    def __next__(self) -> RequestOutput:
+        llm = self._llm
+        if llm is None:
+            raise StopIteration
+        output = llm._take(self.request_id)
+        while output is None:
+            llm._pump()
+            output = llm._take(self.request_id)
+        if output.finished:
+            self._llm = None
+        return output
+
+    def close(self) -> None:
+        """Aborts the request if it has not finished; its blocks are freed now."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm._abort(self.request_id)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _check_arguments(
+    model: Any, dtype: Any, max_batch_size: Any, tensor_parallel_size: Any, seed: Any, show_progress: Any
+) -> None:
+    """The constructor's own arguments (the engine configs check theirs)."""
+    if not isinstance(model, str | os.PathLike | LoadedModel):
+        raise TypeError(f"model must be a name, a path or a LoadedModel, got {type(model).__name__}")
+    if isinstance(model, str) and not model.strip():
+        raise ValueError("model must name a model: got an empty string")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    for name, value in (("max_batch_size", max_batch_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if value is None and name == "max_batch_size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+    if not isinstance(show_progress, bool):
+        raise TypeError(f"show_progress must be a bool, got {show_progress!r}")
+
+
+def _tokenizer(tokenizer: Any, loaded: LoadedModel) -> Any:
+    """The tokenizer argument as a tokenizer: loaded from a path, or the model's own."""
+    if isinstance(tokenizer, str | os.PathLike):
+        return Tokenizer.from_source(tokenizer)
+    if tokenizer is None:
+        if loaded.tokenizer_source is None:
+            raise ValueError(f"{loaded.source} has no tokenizer: pass tokenizer=Tokenizer.from_source(...)")
+        return Tokenizer.from_source(loaded.tokenizer_source)
+    missing = [m for m in ("encode", "decode", "eos_token_ids") if not hasattr(tokenizer, m)]
+    if missing:
+        raise TypeError(f"tokenizer must be a Tokenizer or a path, got {type(tokenizer).__name__} (no {missing})")
+    return tokenizer
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[Any]:
     if params is None or isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts")

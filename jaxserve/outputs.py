@@ -72,6 +72,7 @@ class _Group:
     samples: list[_Sample]
     # Position 0 has none; position p + 1 is appended once the step computing position p is read.
     prompt_logprobs: list[PositionLogprobs | None] | None
+    stream: bool  # the caller wants every partial output, not only the final one
 
     @property
     def finished(self) -> bool:
@@ -88,8 +89,16 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], samples: list[Request]) -> None:
-        """Starts tracking a request's samples (they share its prompt and parameters)."""
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        samples: list[Request],
+        stream: bool = False,
+    ) -> None:
+        """Starts tracking a request's samples (they share its prompt and parameters); `stream`: the caller
+        wants an output after every step that changes it, else only the final one."""
         params = samples[0].sampling_params
         self._groups[request_id] = _Group(
             prompt=prompt,
@@ -99,10 +108,13 @@ class OutputProcessor:
                 for r in samples
             ],
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            stream=stream,
         )
 
-    def is_finished(self, request_id: str) -> bool:
-        return self._groups[request_id].finished
+    def wants_output(self, request_id: str) -> bool:
+        """Whether a change of the request is reported now: it streams, or it has finished."""
+        group = self._groups[request_id]
+        return group.stream or group.finished
 
     def add_token(self, request: Request, logprobs: TokenLogprobs | None, row: int) -> str | None:
         """Takes the sample's newest token (and its logprobs at `row` of the step); returns the stop string
@@ -119,7 +131,8 @@ class OutputProcessor:
         if request.is_finished:
             detokenizer.flush()
         stops = params.stop
-        if not stops:
+        # As vLLM: stop strings count only once min_tokens tokens are out (the tail is held back anyway).
+        if not stops or len(request.output_token_ids) <= params.min_tokens:
             return None
         index = find_stop(detokenizer.text, stops, checked - max(len(s) for s in stops) + 1)
         if index is None:

@@ -172,6 +172,7 @@ class Runner:
         self.weights = place_weights(weights, spec.family.param_specs(spec.cfg), self.mesh, spec.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0
+        self._seed, self._recoveries = seed, 0
         self._key = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
         self._previous = jax.device_put(np.zeros(spec.steps.buckets.max_batch_size, np.int32), self._replicated)
         self._compiled: dict[tuple[Bucket, StepVariant], jax.stages.Compiled] = {}
@@ -295,6 +296,25 @@ class Runner:
         out, self.kv_cache = compiled(self.weights, self.kv_cache, inputs, self._previous, self._key)
         self._previous, self._key = out.token_ids, out.key
         return out
+
+    def recover(self) -> None:
+        """Usable again after a step failed or was interrupted: the device state a failed call may have
+        consumed or poisoned (the previous step's tokens, the PRNG key, the donated KV pool) is replaced.
+        The pool's contents are not kept; the engine recomputes every request."""
+        self._recoveries += 1
+        self._previous = jax.device_put(np.zeros(self.spec.steps.buckets.max_batch_size, np.int32), self._replicated)
+        key = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._recoveries)
+        self._key = jax.device_put(key, self._replicated)
+        if self.kv_cache is None:
+            return
+        try:
+            if self.kv_cache.k.is_deleted() or self.kv_cache.v.is_deleted():
+                raise RuntimeError("the KV pool was donated to a call that did not return it")
+            jax.block_until_ready(self.kv_cache)
+        except Exception:
+            logger.warning("reallocating the KV pool after a failed step", exc_info=True)
+            self.kv_cache = None  # frees the old buffers before the new ones are taken
+            self.kv_cache = self._zero_cache(self.num_blocks)
 
 
 def place_weights(weights: Any, specs: Any, mesh: Mesh, dtype: jnp.dtype) -> Any:

@@ -256,6 +256,25 @@ class Scheduler:
                 return False
         return True
 
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's blocks and queues it first for recompute (its host tokens are kept)."""
+        self._preempt(request)
+
+    def requeue_all(self) -> None:
+        """Back to a known state after a step failed or was interrupted, whatever this step's scheduling
+        had done: the pool is emptied (no cached prefix survives) and every unfinished request waits, those
+        that ran first, to be recomputed from the tokens the host has. Tokens still on the device are lost
+        and sampled again (the same ones for greedy and seeded requests)."""
+        requests = [r for r in dict.fromkeys([*self.running, *self.waiting]) if not r.is_finished]
+        self.block_manager.reset(requests)
+        self.running.clear()
+        self.waiting.clear()
+        for request in requests:
+            if request.status in (RequestStatus.PREFILL, RequestStatus.DECODE):
+                request.preempt()
+                self.num_preemptions += 1
+            self.waiting.append(request)
+
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.preempt()

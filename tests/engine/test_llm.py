@@ -436,18 +436,20 @@ def test_abort_mid_generation_frees_everything(llm, serves_after):
     assert 0 < len(outputs[0].outputs[0].token_ids) < 50
 
 
-def test_finished_only_steps_report_each_request_once_when_it_finishes(llm, serves_after):
+def test_steps_report_a_request_once_when_it_finishes_unless_it_streams(llm, serves_after):
     engine = llm.engine
     short = engine.add_request(random_prompt(101, 20), SamplingParams(max_tokens=2, ignore_eos=True))
     long = engine.add_request(random_prompt(102, 20), SamplingParams(max_tokens=6, ignore_eos=True))
+    streamed = engine.add_request(random_prompt(103, 20), SamplingParams(max_tokens=4, ignore_eos=True), stream=True)
     outputs = []
     while engine.has_unfinished():
-        outputs += engine.step(finished_only=True)
+        outputs += engine.step()
 
-    assert all(o.finished for o in outputs)
-    seen = [o.request_id for o in outputs]
+    assert all(o.finished for o in outputs if o.request_id != streamed)
+    seen = [o.request_id for o in outputs if o.request_id != streamed]
     assert sorted(seen) == sorted([short, long])
     assert seen.index(short) < seen.index(long)
+    assert [len(o.outputs[0].token_ids) for o in outputs if o.request_id == streamed] == [1, 2, 3, 4]
 
 
 # ---- streaming and chat ----------------------------------------------------------------------

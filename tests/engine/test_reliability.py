@@ -1,0 +1,223 @@
+"""No request can break the engine: streams consumed in any order, abandoned or aborted; exceptions and
+KeyboardInterrupts inside a step; a request whose inputs cannot be built; submissions from other threads.
+After each, every valid greedy request gets the tokens it gets alone and nothing leaks.
+
+A tiny random Llama on the xla backend; the reference tokens are the engine's own, one request at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.config import CompileConfig
+from jaxserve.engine import Engine
+from jaxserve.runner import Runner
+from jaxserve.sampling import SamplingParams
+
+VOCAB = 160
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+PROMPTS = [np.random.default_rng(seed).integers(0, VOCAB, 3 + 5 * seed % 37).tolist() for seed in range(10)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model, make_llm):
+    buckets = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False)
+    return make_llm(tiny_model("llama"), kv_tokens=192, compile_config=buckets)
+
+
+@pytest.fixture(scope="module")
+def alone(llm) -> list[list[int]]:
+    """Each prompt's greedy tokens, generated with nothing else in the engine."""
+    return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+@pytest.fixture
+def idle_after(llm, alone, assert_engine_idle):
+    """After the test, a greedy request gets its tokens and leaves the engine idle, leaking nothing."""
+    yield
+    assert llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == alone[0]
+    assert_engine_idle(llm)
+
+
+def test_streams_consumed_interleaved_and_a_generate_while_they_are_open(llm, alone, idle_after):
+    first, second = llm.stream(PROMPTS[1], GREEDY), llm.stream(PROMPTS[2], GREEDY)
+    a, b = next(first), next(second)
+    [middle] = llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)
+    rest_a, rest_b = list(first), list(second)
+    assert middle.outputs[0].token_ids == alone[3]
+    assert (rest_a or [a])[-1].outputs[0].token_ids == alone[1] and (rest_a or [a])[-1].finished
+    assert (rest_b or [b])[-1].outputs[0].token_ids == alone[2] and (rest_b or [b])[-1].finished
+    for outputs in ([a, *rest_a], [b, *rest_b]):
+        counts = [len(o.outputs[0].token_ids) for o in outputs]
+        assert counts == sorted(counts) and all(not o.finished for o in outputs[:-1])
+
+
+def test_an_abandoned_stream_frees_its_blocks_at_once(llm, alone, idle_after):
+    manager = llm.engine.block_manager
+    streams = [llm.stream(p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)) for p in PROMPTS[4:8]]
+    for stream in streams:
+        next(stream)
+    del stream
+    assert manager.num_free_blocks < manager.num_usable_blocks
+    streams[0].close()
+    for _ in streams[1]:
+        break  # leaving the loop keeps the iterator alive: closed when dropped below
+    del streams
+    gc.collect()
+    assert manager.num_free_blocks == manager.num_usable_blocks, "every abandoned stream frees its blocks now"
+    before = len(llm.step_stats)
+    [out] = llm.generate([PROMPTS[8]], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == alone[8]
+    assert len(llm.step_stats) - before <= NEW_TOKENS + 2, "the abandoned requests still ran"
+
+
+def test_a_stream_that_is_never_iterated_aborts_when_dropped(llm, idle_after):
+    stream = llm.stream(PROMPTS[5], GREEDY)
+    del stream
+    gc.collect()
+    assert llm.engine.scheduler.num_waiting == 0 and llm.engine.scheduler.num_running == 0
+
+
+def _raise_once(monkeypatch, cls, name, exception, after_calls=2):
+    """Makes cls.name raise `exception` on its (after_calls + 1)-th call, once."""
+    original = getattr(cls, name)
+    calls = {"n": 0}
+
+    def wrapper(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == after_calls + 1:
+            raise exception
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"), [(Engine, "_process"), (Runner, "run"), (Engine, "_launch")], ids=["read-back", "run", "launch"]
+)
+@pytest.mark.parametrize("exception", [KeyboardInterrupt(), RuntimeError("device lost")], ids=["sigint", "error"])
+def test_an_exception_inside_a_step_leaves_an_engine_whose_next_generate_is_correct(
+    llm, alone, idle_after, monkeypatch, cls, name, exception
+):
+    """As a Ctrl-C would: raised from inside a step, mid-generate, with a stream open beside it."""
+    stream = llm.stream(PROMPTS[9], GREEDY)
+    next(stream)
+    _raise_once(monkeypatch, cls, name, exception)
+    with pytest.raises(type(exception)):
+        llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)[1].outputs[0].token_ids == alone[1]
+    *_, last = stream
+    assert last.finished and last.outputs[0].token_ids == alone[9], "the open stream was recomputed and served"
+
+
+def test_a_request_whose_inputs_cannot_be_built_fails_alone(llm, alone, idle_after, monkeypatch):
+    import jaxserve.inputs as inputs
+
+    poisoned = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, min_tokens=1)
+    original = inputs._fill_banned
+
+    def fill_banned(step_inputs, batch):
+        if any(row.request.sampling_params.min_tokens == 1 for row in batch.rows):  # the poisoned one
+            raise OverflowError("Python int too large to convert to C int")
+        original(step_inputs, batch)
+
+    monkeypatch.setattr(inputs, "_fill_banned", fill_banned)
+    outputs = llm.generate(PROMPTS[:4], [GREEDY, poisoned, GREEDY, GREEDY], use_tqdm=False)
+    assert outputs[1].error is not None and "OverflowError" in outputs[1].error
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert [outputs[i].outputs[0].token_ids for i in (0, 2, 3)] == [alone[0], alone[2], alone[3]]
+
+
+def test_submissions_from_other_threads(llm, alone, idle_after):
+    engine = llm.engine
+    futures = {}
+
+    def submit(i):
+        futures[i] = engine.submit(PROMPTS[i], GREEDY)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = engine.submit([VOCAB + 5], GREEDY)
+    finals = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    assert isinstance(bad.exception(), ValueError) and "token ids" in str(bad.exception())
+    for i, future in futures.items():
+        assert finals[future.result()].outputs[0].token_ids == alone[i]
+
+
+def test_min_tokens_holds_stop_strings_back(llm, alone, idle_after):
+    """vLLM's rule: a stop string counts only once min_tokens tokens are out."""
+    text = llm.tokenizer.decode(alone[0])
+    stop = text[1]  # the second generated character: a one-token stop string
+    early = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop,))
+    late = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop,), min_tokens=3)
+    first, second = (o.outputs[0] for o in llm.generate([PROMPTS[0]] * 2, [early, late], use_tqdm=False))
+    assert first.text == text[: text.index(stop)] and first.finish_reason == "stop"
+    later = text.find(stop, 3)
+    assert second.text == (text if later < 0 else text[:later])
+    assert second.finish_reason == ("length" if later < 0 else "stop")
+
+
+_ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["generate", "stream-all", "stream-abandon", "stream-abort", "invalid", "interrupt"]),
+        st.lists(st.integers(0, len(PROMPTS) - 1), min_size=1, max_size=3),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=_ACTIONS, interleave=st.booleans())
+def test_random_mixes_serve_every_valid_request_its_tokens(llm, alone, assert_engine_idle, actions, interleave):
+    open_streams = []
+    for kind, picks in actions:
+        if kind == "generate":
+            outputs = llm.generate([PROMPTS[i] for i in picks], GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == [alone[i] for i in picks]
+        elif kind == "invalid":
+            with pytest.raises((ValueError, TypeError)):
+                llm.generate([PROMPTS[picks[0]], [VOCAB + 1], None][: len(picks) + 1], GREEDY, use_tqdm=False)
+        elif kind == "interrupt":
+            original = Engine._process
+            Engine._process = lambda self, flight: (_ for _ in ()).throw(KeyboardInterrupt())
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    llm.generate([PROMPTS[i] for i in picks], GREEDY, use_tqdm=False)
+            finally:
+                Engine._process = original
+        else:
+            streams = [(i, llm.stream(PROMPTS[i], GREEDY)) for i in picks]
+            if kind == "stream-abort":
+                llm.engine.abort(streams[0][1].request_id)
+            if kind == "stream-abandon":
+                next(streams[0][1])
+                streams = streams[1:]
+            open_streams += streams
+            if interleave and len(open_streams) > 1:
+                next(open_streams[0][1], None)
+    for i, stream in open_streams:
+        outputs = list(stream)
+        final = outputs[-1] if outputs else None
+        if final is not None and final.outputs[0].finish_reason != "abort":
+            assert final.outputs[0].token_ids == alone[i]
+    del open_streams
+    gc.collect()
+    llm._drain()
+    assert_engine_idle(llm)
