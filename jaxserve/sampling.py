@@ -8,9 +8,8 @@ Host policy: no jax here. The on-device sampler reads these parameters through p
 from __future__ import annotations
 
 import enum
-import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,13 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 # Seeds feed a 32-bit PRNG key on the device: any int is taken modulo this.
 SEED_MODULUS = 2**32
+# Every integer field is bounded by this: the engine packs them into the device's int32 arrays
+# (top_k, stop ids among the banned tokens, ...), and a larger value would overflow there.
+INT32_MAX = 2**31 - 1
+# Float fields become float32 on the device: a larger magnitude would turn into inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+# Most samples one request may ask for: OpenAI's limit for n. Each sample is a sequence of its own.
+MAX_N = 128
 
 
 class FinishReason(str, enum.Enum):
@@ -31,36 +37,115 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request can never be served (see Request.error)
 
 
-def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    allowed = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int = INT32_MAX, *, also: str = "") -> int:
+    """`value` as an int in [minimum, maximum]; `also` names the other accepted values for the message."""
+    if not _is_int(value) or not minimum <= value <= maximum:
+        got = f"{value!r} ({type(value).__name__})" if not _is_int(value) else str(value)
+        raise ValueError(f"{name} must be {also}an int in [{minimum}, {maximum}], got {got}")
+    return int(value)
+
+
+def _check_optional_int(name: str, value: Any, minimum: int, maximum: int = INT32_MAX) -> int | None:
+    return None if value is None else _check_int(name, value, minimum, maximum, also="None or ")
+
+
+# The float fields' ranges (vLLM's): lowest, highest, whether the lowest itself is excluded. Unbounded
+# fields stop at FLOAT32_MAX, and NaN is in no range.
+_FLOAT_RANGES = {
+    "temperature": (0.0, FLOAT32_MAX, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "repetition_penalty": (0.0, FLOAT32_MAX, True),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+}
 
 
 def _check_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    """`value` as a float within the field's range in _FLOAT_RANGES."""
+    low, high, low_excluded = _FLOAT_RANGES[name]
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not is_number or not (low < value if low_excluded else low <= value) or not value <= high:
+        interval = f"{'(' if low_excluded else '['}{low:g}, {'3.4e38' if high == FLOAT32_MAX else f'{high:g}'}]"
+        got = repr(value) if is_number else f"{value!r} ({type(value).__name__})"
+        raise ValueError(f"{name} must be a number in {interval}, got {got}")
     return float(value)
+
+
+def _as_items(name: str, value: Any, expected: str) -> tuple[Any, ...]:
+    """The entries of a list-like `value` (None is empty); a string, bytes, mapping or scalar is refused."""
+    if value is None:
+        return ()
+    if not isinstance(value, (str, bytes, bytearray, Mapping)):
+        try:
+            return tuple(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _normalize_stop(stop: Any) -> tuple[str, ...]:
+    """A single string or a list of non-empty strings, as a tuple (the params stay hashable)."""
+    expected = "a string or a list of non-empty strings"
+    items = (stop,) if isinstance(stop, str) else _as_items("stop", stop, expected)
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must be {expected}, got stop[{i}] = {item!r}")
+    return items
+
+
+def _normalize_stop_token_ids(token_ids: Any) -> tuple[int, ...]:
+    """A list of token ids, as a tuple of ints. A bare int is refused, as vLLM's server schema does."""
+    expected = f"a list of ints in [0, {INT32_MAX}]"
+    if _is_int(token_ids):
+        raise ValueError(f"stop_token_ids must be {expected}, got the bare int {token_ids} (write [{token_ids}])")
+    items = _as_items("stop_token_ids", token_ids, expected)
+    return tuple(_check_int(f"stop_token_ids[{i}]", token_id, 0) for i, token_id in enumerate(items))
+
+
+def _normalize_top_k(top_k: Any) -> int | None:
+    """vLLM's "off" values 0 and -1 become None; otherwise an int >= 1 (the engine clips it to the vocabulary)."""
+    if top_k is None or (_is_int(top_k) and top_k in (0, -1)):
+        return None
+    return _check_int("top_k", top_k, 1, also="None, 0 or -1 (disabled), or ")
+
+
+def _normalize_seed(seed: Any) -> int | None:
+    if seed is None:
+        return None
+    if not _is_int(seed):
+        raise ValueError(f"seed must be None or an int (taken modulo 2**32), got {seed!r} ({type(seed).__name__})")
+    return int(seed) % SEED_MODULUS
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to sample one request's tokens and when to stop; validated on construction.
+    """How to sample one request's tokens and when to stop; validated (and normalized) on construction.
 
-    n: independent samples of the prompt (>= 1); they share the prompt's KV blocks.
+    Integer fields take ints (numpy ints too, never bools) of at most INT32_MAX = 2**31 - 1, the
+    device's int32 arrays; float fields take finite numbers within float32's range. A bad value
+    raises ValueError naming the field, the value and what is accepted.
+
+    n: independent samples of the prompt, in [1, MAX_N = 128]; they share the prompt's KV blocks.
     temperature: >= 0; below 1e-5 sampling is greedy.
-    top_k: None (disabled) or >= 1.
+    top_k: None, 0 or -1 (disabled, as in vLLM; stored as None) or >= 1; a top_k above the
+        vocabulary keeps every token (the engine clips it).
     top_p: in (0, 1]; 1 disables it.
     min_p: in [0, 1]; 0 disables it.
     repetition_penalty: > 0; 1 disables it. presence_penalty, frequency_penalty: in [-2, 2].
-    seed: None or any int, taken modulo 2**32 (the device PRNG's seed width), as vLLM accepts any
+    seed: None or any int, stored modulo 2**32 (the device PRNG's seed width), as vLLM accepts any
         int; a seeded request samples the same tokens whatever its batch.
-    max_tokens: None (up to max_seq_len) or >= 1. min_tokens: in [0, max_tokens]; EOS and stop
-        token ids do not stop the request before it.
-    stop: strings that end the output (checked by the detokenizer; not part of the output).
-    stop_token_ids: token ids that end the output. ignore_eos: keep generating after EOS.
+    max_tokens: None (up to max_seq_len) or >= 1 (vLLM's server allows 0 only to echo the prompt,
+        which this engine does not do). min_tokens: in [0, max_tokens]; EOS and stop token ids do
+        not stop the request before it.
+    stop: a string or a list of non-empty strings that end the output (checked by the detokenizer;
+        not part of the output); stored as a tuple.
+    stop_token_ids: a list of token ids (>= 0) that end the output; a bare int is refused, as vLLM's
+        server schema refuses it; stored as a tuple. ignore_eos: keep generating after EOS.
     logprobs: None or [0, 20]: logprobs of the sampled token and this many alternatives.
     prompt_logprobs: None or [0, 20], for the prompt tokens.
     skip_special_tokens: drop special tokens when detokenizing.
@@ -85,49 +170,35 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self._normalize_stops()
-        self._validate_sampling()
-        self._validate_lengths()
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        normalized = {
+            "stop": _normalize_stop(self.stop),
+            "stop_token_ids": _normalize_stop_token_ids(self.stop_token_ids),
+            **self._sampling_fields(),
+            **self._length_fields(),
+        }
+        for name, value in normalized.items():  # frozen: normalized values go in through object.__setattr__
+            object.__setattr__(self, name, value)
         for name in ("ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
-    def _normalize_stops(self) -> None:
-        # Accept a single string or any sequence; store tuples so the params stay hashable and frozen.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
-        token_ids = tuple(self.stop_token_ids or ())
-        for token_id in token_ids:
-            _check_int("stop_token_ids entries", token_id, 0)
-        object.__setattr__(self, "stop_token_ids", token_ids)
+    def _sampling_fields(self) -> dict[str, Any]:
+        return {
+            "n": _check_int("n", self.n, 1, MAX_N),
+            "top_k": _normalize_top_k(self.top_k),
+            "seed": _normalize_seed(self.seed),
+            **{name: _check_float(name, getattr(self, name)) for name in _FLOAT_RANGES},
+        }
 
-    def _validate_sampling(self) -> None:
-        _check_int("n", self.n, 1)
-        if _check_float("temperature", self.temperature) < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None:
-            _check_int("top_k", self.top_k, 1)
-        if not 0.0 < _check_float("top_p", self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= _check_float("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if _check_float("repetition_penalty", self.repetition_penalty) <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= _check_float(name, getattr(self, name)) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-
-    def _validate_lengths(self) -> None:
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+    def _length_fields(self) -> dict[str, Any]:
+        max_tokens = _check_optional_int("max_tokens", self.max_tokens, 1)
+        return {
+            "max_tokens": max_tokens,
+            "min_tokens": _check_int("min_tokens", self.min_tokens, 0, INT32_MAX if max_tokens is None else max_tokens),
+            "logprobs": _check_optional_int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
+            "prompt_logprobs": _check_optional_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS),
+        }
 
     @property
     def is_greedy(self) -> bool:

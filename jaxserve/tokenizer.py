@@ -1,4 +1,5 @@
-"""Text <-> token ids: the tokenizer wrapper, chat templates, incremental detokenization and stop strings.
+"""Text <-> token ids: the tokenizer wrapper, chat messages and templates, incremental detokenization
+and stop strings.
 
 `Tokenizer` wraps a transformers fast tokenizer built from a model directory (tokenizer.json and
 friends) or from a GGUF file's metadata (see `models/gguf.py`, which avoids torch). It knows every
@@ -11,6 +12,10 @@ is held back until the next token completes it. Decoding restarts a few tokens b
 part (not at the start of the sequence) so each step costs O(1); the restart window is decoded both
 with and without the new tokens and only the difference is emitted, so tokenizers whose decoding of a
 token depends on its neighbours (leading-space rules) stay consistent.
+
+`validate_messages` checks a conversation before any chat template sees it (OpenAI's message format,
+text only), so a malformed one is a TypeError / ValueError naming the message, not a Jinja internal;
+`validate_conversations` does it for one conversation or several, as `LLM.chat` takes them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,97 @@ from typing import Any
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded again before the first generated one: context for leading-space rules.
 _CONTEXT_TOKENS = 5
+# The roles of OpenAI's chat format ("developer" is its newer name for "system").
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_TEXT_PART = "{'type': 'text', 'text': str}"
+
+
+def _short(value: Any) -> str:
+    """repr of a value of the caller's, cut to a length fit for an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """The conversation as plain dicts, each with a `role` from CHAT_ROLES and a string `content`.
+
+    `messages` is a list (or tuple) of dicts. A content is a string, or a list of OpenAI text parts
+    ({"type": "text", "text": "..."}) whose texts are joined with newlines, as vLLM does; other parts
+    (image_url, input_audio, ...) are refused: only text is supported. Other keys of a message (name,
+    tool_call_id, tool_calls, ...) pass through to the chat template.
+
+    Raises TypeError when `messages` is not a list or a message is not a dict, and ValueError for
+    an empty conversation or a missing or bad role / content; each names the message's index.
+    """
+    if not isinstance(messages, (list, tuple)):
+        hint = ""
+        if isinstance(messages, Mapping):
+            hint = " (a single message goes in a list: [message])"
+        elif isinstance(messages, str):
+            hint = " (a plain prompt is not a conversation)"
+        raise TypeError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}{hint}"
+        )
+    if not messages:
+        raise ValueError("messages is empty: a conversation needs at least one message")
+    return [_validate_message(index, message) for index, message in enumerate(messages)]
+
+
+def validate_conversations(conversations: Any) -> list[list[dict[str, Any]]]:
+    """One conversation or several (what `LLM.chat` takes), each checked by `validate_messages`.
+
+    A non-empty list whose items are all lists (or tuples) holds several conversations; anything else
+    is one. An error in one of several starts with "conversation i: " and keeps its type.
+    """
+    items = conversations if isinstance(conversations, (list, tuple)) else ()
+    if not items or not all(isinstance(c, (list, tuple)) for c in items):
+        return [validate_messages(conversations)]
+    validated = []
+    for i, conversation in enumerate(items):
+        try:
+            validated.append(validate_messages(conversation))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"conversation {i}: {error}") from error
+    return validated
+
+
+def _validate_message(index: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise TypeError(
+            f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}: {_short(message)}"
+        )
+    roles = ", ".join(repr(r) for r in CHAT_ROLES)
+    if "role" not in message:
+        raise ValueError(f"{where} has no 'role' (one of {roles})")
+    role = message["role"]
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise ValueError(f"{where}.role must be one of {roles}, got {_short(role)}")
+    if "content" not in message:
+        raise ValueError(f"{where} ({role}) has no 'content' (a string or a list of text parts {_TEXT_PART})")
+    return {**message, "content": _message_text(f"{where}.content", message["content"])}
+
+
+def _message_text(where: str, content: Any) -> str:
+    """A message's content as one string: itself, or its text parts joined with newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(
+            f"{where} must be a string or a list of text parts {_TEXT_PART}, "
+            f"got {type(content).__name__}: {_short(content)}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or "type" not in part:
+            raise ValueError(f"{where}[{j}] must be a text part {_TEXT_PART}, got {_short(part)}")
+        if part["type"] != "text":
+            kind = _short(part["type"])
+            raise ValueError(f"{where}[{j}] has type {kind}: only text parts {_TEXT_PART} are supported")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}].text must be a string, got {_short(part.get('text'))}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 class Tokenizer:
@@ -77,19 +173,30 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[int]:
-        """Prompt ids for a conversation ([{"role": ..., "content": ...}, ...]) in the model's chat format."""
+        """Prompt ids for a conversation ([{"role": ..., "content": ...}, ...]) in the model's chat format.
+
+        The conversation is checked by `validate_messages` first (its TypeError / ValueError); an
+        error the template itself raises (a role order it refuses, a syntax error in `chat_template`)
+        becomes a ValueError carrying the template's message.
+        """
+        from jinja2 import TemplateError
+
+        conversation = validate_messages(messages)
         if chat_template is None and not self.hf_tokenizer.chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; encode() a plain prompt instead, "
                 "or pass chat_template= (a Jinja template)"
             )
-        ids = self.hf_tokenizer.apply_chat_template(
-            [dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            tokenize=True,
-            return_dict=False,
-        )
+        try:
+            ids = self.hf_tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tokenize=True,
+                return_dict=False,
+            )
+        except TemplateError as error:
+            raise ValueError(f"the chat template cannot render this conversation: {error}") from error
         return list(ids)
 
 

@@ -21,7 +21,15 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+from jaxserve.tokenizer import (
+    CHAT_ROLES,
+    IncrementalDetokenizer,
+    Tokenizer,
+    find_stop,
+    stop_holdback,
+    validate_conversations,
+    validate_messages,
+)
 from models import hub
 
 CHAT_TEMPLATE = (
@@ -165,6 +173,159 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
     assert tok.decode(ids) == "hi"
 
 
+# --- chat messages --------------------------------------------------------------------------------
+
+USER = {"role": "user", "content": "hi"}
+# (id, messages, error type, message): each raised by validate_messages and by apply_chat_template.
+BAD_CONVERSATIONS = [
+    ("string", "hi", TypeError, r"^messages must be a list of .* got str \(a plain prompt"),
+    ("one-dict", USER, TypeError, r"^messages must be a list of .* got dict \(a single message goes in a list"),
+    ("none", None, TypeError, r"^messages must be a list of .* got NoneType"),
+    ("int", 5, TypeError, r"^messages must be a list of .* got int"),
+    ("generator", (m for m in [USER]), TypeError, r"^messages must be a list of .* got generator"),
+    ("empty", [], ValueError, r"^messages is empty"),
+    ("int-message", [5], TypeError, r"^messages\[0\] must be a dict .* got int: 5"),
+    ("none-message", [None], TypeError, r"^messages\[0\] must be a dict .* got NoneType"),
+    ("pair-message", [["user", "hi"]], TypeError, r"^messages\[0\] must be a dict .* got list"),
+    ("second-is-str", [USER, "and then"], TypeError, r"^messages\[1\] must be a dict .* got str: 'and then'"),
+    ("no-role", [{"content": "hi"}], ValueError, r"^messages\[0\] has no 'role' \(one of 'system',"),
+    (
+        "unknown-role",
+        [{"role": "bot", "content": "hi"}],
+        ValueError,
+        r"^messages\[0\]\.role must be one of .* got 'bot'",
+    ),
+    ("capital-role", [{"role": "User", "content": "hi"}], ValueError, r"^messages\[0\]\.role .* got 'User'"),
+    ("none-role", [{"role": None, "content": "hi"}], ValueError, r"^messages\[0\]\.role .* got None"),
+    ("int-role", [USER, {"role": 1, "content": "hi"}], ValueError, r"^messages\[1\]\.role .* got 1"),
+    ("list-role", [{"role": ["user"], "content": "hi"}], ValueError, r"^messages\[0\]\.role .* got \['user'\]"),
+    ("no-content", [{"role": "user"}], ValueError, r"^messages\[0\] \(user\) has no 'content'"),
+    ("none-content", [{"role": "assistant", "content": None}], ValueError, r"^messages\[0\]\.content .* got NoneType"),
+    (
+        "int-content",
+        [{"role": "user", "content": 5}],
+        ValueError,
+        r"^messages\[0\]\.content must be a string .* got int",
+    ),
+    ("bytes-content", [{"role": "user", "content": b"hi"}], ValueError, r"^messages\[0\]\.content .* got bytes"),
+    (
+        "part-not-in-list",
+        [{"role": "user", "content": {"type": "text", "text": "hi"}}],
+        ValueError,
+        r"^messages\[0\]\.content must be a string or a list of text parts .* got dict",
+    ),
+    (
+        "image-part",
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}],
+        ValueError,
+        r"^messages\[0\]\.content\[0\] has type 'image_url': only text parts .* are supported",
+    ),
+    (
+        "text-then-audio",
+        [USER, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}],
+        ValueError,
+        r"^messages\[1\]\.content\[1\] has type 'input_audio': only text parts",
+    ),
+    (
+        "string-part",
+        [{"role": "user", "content": ["hi"]}],
+        ValueError,
+        r"^messages\[0\]\.content\[0\] must be a text part",
+    ),
+    (
+        "untyped-part",
+        [{"role": "user", "content": [{"text": "hi"}]}],
+        ValueError,
+        r"^messages\[0\]\.content\[0\] must be",
+    ),
+    (
+        "nested-parts",
+        [{"role": "user", "content": [[{"type": "text", "text": "hi"}]]}],
+        ValueError,
+        r"^messages\[0\]\.content\[0\] must be a text part",
+    ),
+    (
+        "part-no-text",
+        [{"role": "user", "content": [{"type": "text"}]}],
+        ValueError,
+        r"\.content\[0\]\.text must be a string, got None",
+    ),
+    (
+        "part-int-text",
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+        ValueError,
+        r"\.content\[0\]\.text .* got 5",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("messages", "error", "message"), [c[1:] for c in BAD_CONVERSATIONS], ids=[c[0] for c in BAD_CONVERSATIONS]
+)
+def test_bad_conversations_name_the_message_and_field(tok, messages, error, message):
+    with pytest.raises(error, match=message):
+        validate_messages(messages)
+    with pytest.raises(error, match=message):
+        tok.apply_chat_template(messages)
+
+
+def test_one_conversation_or_several():
+    assert validate_conversations([USER]) == [[USER]]
+    assert validate_conversations(([USER], (USER, USER))) == [[USER], [USER, USER]]
+    with pytest.raises(TypeError, match=r"^messages must be a list .* got dict \(a single message"):
+        validate_conversations(USER)
+    with pytest.raises(ValueError, match=r"^messages is empty"):
+        validate_conversations([])
+    with pytest.raises(ValueError, match=r"^conversation 1: messages is empty"):
+        validate_conversations([[USER], []])
+    with pytest.raises(ValueError, match=r"^conversation 1: messages\[0\]\.role .* got 'bot'"):
+        validate_conversations([[USER], [{"role": "bot", "content": "hi"}]])
+    with pytest.raises(TypeError, match=r"^messages\[1\] must be a dict .* got list"):
+        validate_conversations([USER, [USER]])  # mixed: one conversation with a bad message
+
+
+def test_long_values_are_cut_in_messages():
+    with pytest.raises(ValueError) as excinfo:
+        validate_messages([{"role": "x" * 10_000, "content": "hi"}])
+    assert len(str(excinfo.value)) < 200
+
+
+def test_accepted_conversation_forms(tok):
+    text_parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    as_parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": text_parts},
+    ]
+    as_strings = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello\nworld"}]
+    assert validate_messages(as_parts) == as_strings
+    assert as_parts[1]["content"] is text_parts  # the caller's messages are not modified
+    assert tok.apply_chat_template(as_parts) == tok.apply_chat_template(as_strings)
+    assert tok.apply_chat_template(tuple(as_strings)) == tok.apply_chat_template(as_strings)
+    every_role = [{"role": role, "content": ""} for role in CHAT_ROLES]
+    assert validate_messages(every_role) == every_role
+    assert validate_messages([{"role": "user", "content": []}]) == [{"role": "user", "content": ""}]
+
+
+def test_extra_message_keys_reach_the_template(tok):
+    messages = [
+        {"role": "user", "content": "hello", "name": "world"},
+        {"role": "tool", "content": "ok", "tool_call_id": "t1"},
+    ]
+    assert validate_messages(messages) == messages
+    template = "{% for m in messages %}{{ m['name'] or m['tool_call_id'] }}:{{ m['content'] }} {% endfor %}"
+    assert tok.decode(tok.apply_chat_template(messages, chat_template=template)) == "world:hello t1:ok "
+
+
+def test_template_errors_are_value_errors(tok):
+    refuses_system = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role, please') }}{% endif %}"
+    )
+    with pytest.raises(ValueError, match="the chat template cannot render this conversation: no system role, please"):
+        tok.apply_chat_template([{"role": "system", "content": "s"}], chat_template=refuses_system)
+    with pytest.raises(ValueError, match="the chat template cannot render this conversation"):
+        tok.apply_chat_template([USER], chat_template="{% for %}")
+
+
 def test_missing_source(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         Tokenizer.from_source(tmp_path / "nowhere")
@@ -249,6 +410,47 @@ def test_gguf_tokenizer_matches_transformers(default_gguf):
     expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ours.apply_chat_template(messages) == list(expected)
     assert ours.eos_token_ids == (2,) and ours.vocab_size == 49152
+
+
+@pytest.fixture(scope="module")
+def default_tok(default_gguf) -> Tokenizer:
+    return Tokenizer.from_source(default_gguf)
+
+
+@pytest.mark.slow
+def test_default_chat_template_joins_text_parts(default_tok):
+    def parts(*texts: str) -> list[dict[str, str]]:
+        return [{"type": "text", "text": t} for t in texts]
+
+    as_parts = [
+        {"role": "system", "content": parts("You are terse.")},
+        {"role": "user", "content": parts("What is 2+2?", "Answer in one word.")},
+        {"role": "assistant", "content": parts("Four.")},
+        {"role": "user", "content": parts("And 3+3?")},
+    ]
+    as_strings = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?\nAnswer in one word."},
+        {"role": "assistant", "content": "Four."},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    ids = default_tok.apply_chat_template(as_strings)
+    assert default_tok.apply_chat_template(as_parts) == ids
+    assert "<|im_start|>user\nWhat is 2+2?\nAnswer in one word.<|im_end|>" in default_tok.decode(
+        ids, skip_special_tokens=False
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("messages", "error", "message"),
+    [c[1:] for c in BAD_CONVERSATIONS if c[0] in ("one-dict", "no-content", "image-part", "unknown-role")],
+)
+def test_default_chat_template_sees_only_valid_conversations(default_tok, messages, error, message):
+    # Before validation these were a ValueError from dict() ("dictionary update sequence element"), a
+    # Jinja UndefinedError, a TypeError inside the template ("can only concatenate str"), and accepted.
+    with pytest.raises(error, match=message):
+        default_tok.apply_chat_template(messages)
 
 
 @pytest.mark.slow
