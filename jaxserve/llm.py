@@ -24,7 +24,7 @@ from jaxserve.config import DTYPES, CompileConfig, KvCacheConfig, SchedulerConfi
 from jaxserve.engine import Engine, StepStats
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
 from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer, validate_conversations
 from models.hub import DEFAULT_MODEL
 from models.loader import LoadedModel, load_model
 from sharding.mesh import make_mesh
@@ -147,9 +147,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Answers one conversation (a list of {"role", "content"} dicts) or several, with the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
+        """Answers one conversation (a list of {"role", "content"} dicts) or several, with the chat template.
+
+        content is a string or a list of OpenAI text parts (joined); a malformed conversation raises a
+        TypeError or ValueError naming the message and the field before anything is queued.
+        """
+        conversations = validate_conversations(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> RequestStream:

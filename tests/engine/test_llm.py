@@ -269,7 +269,7 @@ def test_stop_token_ids_stop_strings_and_max_tokens(llm, tokenizer, dense_greedy
 INVALID_FIELDS = [
     ("n", 0),
     ("temperature", -1.0),
-    ("top_k", 0),
+    ("top_k", -2),
     ("top_p", 1.5),
     ("min_p", -0.5),
     ("repetition_penalty", 0.0),
