@@ -136,7 +136,7 @@ class Engine:
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         # Validated again: a frozen dataclass can still be changed through object.__setattr__, and an
         # invalid value must fail here, on its request, not inside a step shared with other requests.
         params = dataclasses.replace(params)

@@ -43,3 +43,13 @@ def test_a_missing_model_path_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "hello", "--model", str(missing)]) == 1
     err = capsys.readouterr().err
     assert "jaxserve: error:" in err and str(missing) in err
+
+
+@pytest.mark.slow
+def test_a_seed_beyond_64_bits_is_taken_modulo_2_32(capsys):
+    """`--seed 2**70` used to end in a raw OverflowError traceback."""
+    args = ["generate", "The capital of France is", "--max-tokens", "4", "--temperature", "0.8"]
+    assert main([*args, "--seed", str(2**70 + 7)]) == 0
+    huge = capsys.readouterr().out
+    assert main([*args, "--seed", "7"]) == 0
+    assert capsys.readouterr().out == huge
