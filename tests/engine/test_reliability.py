@@ -221,3 +221,20 @@ def test_random_mixes_serve_every_valid_request_its_tokens(llm, alone, assert_en
     gc.collect()
     llm._drain()
     assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("delay_ms", [5, 20, 45, 80, 130])
+def test_a_real_sigint_during_generate(llm, alone, idle_after, delay_ms):
+    """Ctrl-C as a notebook user presses it: a SIGINT lands wherever the engine happens to be."""
+    import os
+    import signal
+
+    long_run = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    timer = threading.Timer(delay_ms / 1000, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:4], long_run, use_tqdm=False)
+    finally:
+        timer.cancel()
+    assert llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)[1].outputs[0].token_ids == alone[3]
