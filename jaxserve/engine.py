@@ -42,7 +42,7 @@ from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.inputs import Bucket, BucketTable, StepConfig, make_step_inputs
 from jaxserve.outputs import OutputProcessor
-from jaxserve.request import make_requests
+from jaxserve.request import Request, make_requests
 from jaxserve.runner import Runner, RunnerSpec, StepOutput, enable_compilation_cache, resolve_backend
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
@@ -134,16 +134,7 @@ class Engine:
 
         stream: `step` reports the request after every step that changes it, else only once finished.
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        # Validated again: a frozen dataclass can still be changed through object.__setattr__, and an
-        # invalid value must fail here, on its request, not inside a step shared with other requests.
-        params = dataclasses.replace(params)
-        self.steps.check_supported(params, len(self.tokenizer.eos_token_ids))
-        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if outside:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size - 1}] (the vocabulary), got {outside}")
+        params = _checked_params(params, self.steps, len(self.tokenizer.eos_token_ids))
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         else:
@@ -238,21 +229,13 @@ class Engine:
             return None
         dispatch_start = time.perf_counter()
         output = self.runner.run(inputs, bucket, variant)
-        return _InFlight(batch, output, self._stats(batch, bucket, start, dispatch_start))
+        return _InFlight(batch, output, _step_stats(batch, bucket, self.block_manager, start, dispatch_start))
 
     def _fail_rows(self, batch: ScheduledBatch, previous: ScheduledBatch | None, error: Exception) -> None:
         """The rows whose inputs cannot be built alone finish with the error (all rows, when none can be
         singled out); the others are recomputed in a later step."""
         logger.exception("building a step's inputs failed")
-
-        def fails(row: ScheduledRow) -> bool:
-            try:
-                make_step_inputs(ScheduledBatch([row], num_prefill_rows=int(row.is_prefill)), previous, self.steps)
-            except Exception:
-                return True
-            return False
-
-        culprits = [row.request for row in batch.rows if fails(row)] or [row.request for row in batch.rows]
+        culprits = _failing_rows(batch, previous, self.steps)
         message = f"this request's step inputs could not be built: {type(error).__name__}: {error}"
         for request in culprits:
             self.scheduler.finish(request, FinishReason.ERROR, error=message)
@@ -289,20 +272,51 @@ class Engine:
                 self.scheduler.finish(request, FinishReason.STOP, stop_reason=stop)
         return {request.request_id for request in received}
 
-    def _stats(self, batch: ScheduledBatch, bucket: Bucket, start: float, dispatch_start: float) -> StepStats:
-        return StepStats(
-            num_tokens=batch.num_tokens,
-            num_seqs=batch.num_seqs,
-            num_prefill_rows=batch.num_prefill_rows,
-            bucket_tokens=bucket.num_tokens,
-            bucket_seqs=bucket.num_seqs,
-            kv_usage=self.block_manager.usage,
-            num_preempted=len(batch.preempted),
-            prefix_hit_rate=self.block_manager.stats.hit_rate,
-            host_seconds=time.perf_counter() - start,
-            dispatch_seconds=time.perf_counter() - dispatch_start,
-            launched_at=dispatch_start,
-        )
+
+def _checked_params(params: SamplingParams | None, steps: StepConfig, num_eos_tokens: int) -> SamplingParams:
+    """A request's parameters validated against this engine: compiled variants, vocabulary."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    # Validated again: a frozen dataclass can still be changed through object.__setattr__, and an
+    # invalid value must fail here, on its request, not inside a step shared with other requests.
+    params = dataclasses.replace(params)
+    steps.check_supported(params, num_eos_tokens)
+    outside = [t for t in params.stop_token_ids if t >= steps.vocab_size]
+    if outside:
+        raise ValueError(f"stop_token_ids must be in [0, {steps.vocab_size - 1}] (the vocabulary), got {outside}")
+    return params
+
+
+def _failing_rows(batch: ScheduledBatch, previous: ScheduledBatch | None, steps: StepConfig) -> list[Request]:
+    """The requests whose row's inputs cannot be built alone (all of the batch's, when none can)."""
+
+    def fails(row: ScheduledRow) -> bool:
+        try:
+            make_step_inputs(ScheduledBatch([row], num_prefill_rows=int(row.is_prefill)), previous, steps)
+        except Exception:
+            return True
+        return False
+
+    return [row.request for row in batch.rows if fails(row)] or [row.request for row in batch.rows]
+
+
+def _step_stats(
+    batch: ScheduledBatch, bucket: Bucket, blocks: BlockManager, start: float, dispatch_start: float
+) -> StepStats:
+    return StepStats(
+        num_tokens=batch.num_tokens,
+        num_seqs=batch.num_seqs,
+        num_prefill_rows=batch.num_prefill_rows,
+        bucket_tokens=bucket.num_tokens,
+        bucket_seqs=bucket.num_seqs,
+        kv_usage=blocks.usage,
+        num_preempted=len(batch.preempted),
+        prefix_hit_rate=blocks.stats.hit_rate,
+        host_seconds=time.perf_counter() - start,
+        dispatch_seconds=time.perf_counter() - dispatch_start,
+        launched_at=dispatch_start,
+    )
 
 
 def model_dtype(dtype: str, weights: Any) -> np.dtype:

@@ -8,7 +8,10 @@ A tiny random Llama on the xla backend; the reference tokens are the engine's ow
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -223,18 +226,25 @@ def test_random_mixes_serve_every_valid_request_its_tokens(llm, alone, assert_en
     assert_engine_idle(llm)
 
 
-@pytest.mark.parametrize("delay_ms", [5, 20, 45, 80, 130])
-def test_a_real_sigint_during_generate(llm, alone, idle_after, delay_ms):
-    """Ctrl-C as a notebook user presses it: a SIGINT lands wherever the engine happens to be."""
-    import os
-    import signal
+LONG_RUN = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to max_seq_len
 
-    long_run = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-    timer = threading.Timer(delay_ms / 1000, os.kill, (os.getpid(), signal.SIGINT))
+
+@pytest.fixture(scope="module")
+def long_generate_seconds(llm, alone) -> float:
+    start = time.perf_counter()
+    llm.generate(PROMPTS, LONG_RUN, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("moment", [0.05, 0.2, 0.4, 0.6, 0.8])
+def test_a_real_sigint_during_generate(llm, alone, idle_after, long_generate_seconds, moment):
+    """Ctrl-C as a notebook user presses it: a SIGINT lands wherever the engine is at that moment of a
+    generate (a fraction of its uninterrupted duration)."""
+    timer = threading.Timer(moment * long_generate_seconds, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS[:4], long_run, use_tqdm=False)
+            llm.generate(PROMPTS, LONG_RUN, use_tqdm=False)
     finally:
         timer.cancel()
     assert llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)[1].outputs[0].token_ids == alone[3]
