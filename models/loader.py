@@ -458,7 +458,27 @@ def load_orbax(path: str | os.PathLike, family: ModelFamily, cfg: Any, dtype: st
         spec_tree,
         is_leaf=lambda x: isinstance(x, ParamSpec),
     )
-    try:
-        return ocp.StandardCheckpointer().restore(path, target)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"orbax checkpoint {path} does not match the config's parameter specs: {e}") from e
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(path).item_metadata
+        if stored is not None:
+            _check_orbax_shapes(path, stored.tree, target)
+        try:
+            return checkpointer.restore(path, target)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"orbax checkpoint {path} does not match the config's parameter specs: {e}") from e
+
+
+def _check_orbax_shapes(path: Path, stored: Any, target: Any) -> None:
+    """Refuses a checkpoint whose arrays differ from `target` in name or shape before anything is read: a
+    restore that fails part-way leaves orbax's other reads pending on an event loop it has closed."""
+
+    def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return {jax.tree_util.keystr(p, simple=True, separator="."): tuple(x.shape) for p, x in leaves}
+
+    got, want = shapes(stored), shapes(target)
+    problems = [f"{k}: stored {got[k]}, expected {want[k]}" for k in want if k in got and got[k] != want[k]]
+    problems += [f"{k}: missing" for k in want if k not in got]
+    problems += [f"{k}: not a parameter of this config" for k in got if k not in want]
+    if problems:
+        raise ValueError(f"orbax checkpoint {path} does not match the config's parameter specs: {'; '.join(problems)}")

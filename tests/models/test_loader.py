@@ -391,7 +391,9 @@ def test_orbax_checkpoint_of_another_shape_is_refused(tmp_path, tiny_cfg):
     weights = llama.init_weights(tiny_cfg, jax.random.key(2), jnp.float32)
     save_orbax(tmp_path / "ckpt", weights)
     wider = dataclasses.replace(tiny_cfg, intermediate_size=128)
-    with pytest.raises(ValueError, match="does not match the config's parameter specs"):
+    # Refused from the checkpoint's metadata, naming the arrays, before any array is read.
+    match = r"does not match the config's parameter specs: layers.w_gate: stored \(2, 64, 96\), expected \(2, 64, 128\)"
+    with pytest.raises(ValueError, match=match):
         load_orbax(tmp_path / "ckpt" / "params", llama, wider, "float32")
 
 

@@ -72,15 +72,20 @@ CHECK = textwrap.dedent(
         results[f"tp{tp}"] = [float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(sharded, reference)]
 
     # The same step lowered for CUDA (no GPU needed): the Triton kernels sit inside the shard_map body.
+    # jax >= 0.11 lowers them only for a GPU the context mesh names: the mesh's axes on abstract H200s,
+    # which the shard_map gets too (it must match the context mesh).
     mesh = make_mesh(tp=4)
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    gpu_mesh = mesh.abstract_mesh.update(abstract_device=h200)
     meta = PagedAttentionMetadata(
         slot_mapping=i32([36, 57]), block_table=i32([[1, 2], [3, 0]]), kv_lens=i32([21, 10]), cu_q_lens=i32([0, 1, 2]),
-        num_seqs=i32(2), backend="pallas", max_q_len=1, mesh=mesh)
+        num_seqs=i32(2), backend="pallas", max_q_len=1, mesh=gpu_mesh)
     w = shard_weights(family.init_weights(cfg, jax.random.key(0), jnp.bfloat16), family.param_specs(cfg), mesh)
     cache_shardings = named_shardings(paged_cache_specs(cfg, 8, 16), mesh)
     cache = jax.device_put(init_paged_cache(cfg, 8, 16, jnp.bfloat16), cache_shardings)
     step = lambda w, cache, t, p: family.forward(w, t, p, cache, meta, cfg)
-    lowered = jax.jit(step).trace(w, cache, i32([1, 2]), i32([20, 9])).lower(lowering_platforms=("cuda",))
+    with jax.sharding.use_abstract_mesh(gpu_mesh):
+        lowered = jax.jit(step).trace(w, cache, i32([1, 2]), i32([20, 9])).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     results["cuda"] = dict(triton=text.count("xla.gpu.triton"), manual=text.count("manual"))
 
