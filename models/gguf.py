@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from models.files import ModelFileError, check_gguf
+
 # general.architecture -> Hugging Face `architectures` name and `model_type`. llama.cpp converts
 # Mistral 7B as "llama" and runs it with full attention; we read it the same way.
 _ARCHITECTURES = {
@@ -148,7 +150,11 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
     from gguf import GGUFReader
 
     del mtime_ns, size  # part of the cache key only: a rewritten file is parsed again
-    return GGUFReader(path)
+    check_gguf(Path(path))  # GGUFReader reports a truncated file as a numpy reshape error, without the path
+    try:
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError) as e:  # what check_gguf does not look at
+        raise ModelFileError(path, f"not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
 @dataclass(slots=True)

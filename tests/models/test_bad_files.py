@@ -1,0 +1,180 @@
+"""Bad model files: every one is a clear error naming the file and what is wrong, raised where the file is
+read; truncation at any byte included. Bad files are built from small valid ones (random tensors of a
+tiny Llama), which still load exactly as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from models import llama
+from models.files import ModelFileError
+from models.gguf import gguf_reader, gguf_tokenizer
+from models.loader import load_from_tensors, load_model
+
+# Smaller than conftest's tiny config, so a sweep over every cut point stays quick (files of ~100 KB).
+_SMALL = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+
+
+def random_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Hugging Face-named float32 tensors of a Llama config."""
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    for i in range(hf["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes |= {layer + "input_layernorm.weight": (d,), layer + "post_attention_layernorm.weight": (d,)}
+        shapes |= {layer + f"self_attn.{p}_proj.weight": (n, d) for p, n in (("q", q), ("k", kv), ("v", kv))}
+        shapes |= {layer + "self_attn.o_proj.weight": (d, q), layer + "mlp.down_proj.weight": (d, f)}
+        shapes |= {layer + f"mlp.{p}_proj.weight": (f, d) for p in ("gate", "up")}
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+
+
+def write_hf_dir(directory: Path, hf_config: dict | str | bytes, tensors: dict | None = None) -> Path:
+    """config.json (a dict, or raw text) and, with tensors, model.safetensors."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(hf_config) if isinstance(hf_config, dict) else hf_config
+    (directory / "config.json").write_bytes(text.encode() if isinstance(text, str) else text)
+    if tensors is not None:
+        save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory, tiny_hf_config, write_gguf) -> SimpleNamespace:
+    """A valid GGUF file and Hugging Face directory of the same tensors, and the weights both must give."""
+    config = tiny_hf_config("llama", **_SMALL)
+    tensors = random_tensors(config)
+    root = tmp_path_factory.mktemp("valid")
+    expected = load_from_tensors(llama, llama.LlamaConfig.from_hf(config), tensors, "float32")
+    return SimpleNamespace(
+        config=config,
+        tensors=tensors,
+        gguf=write_gguf(root / "tiny.gguf", "llama", config, tensors),
+        hf=write_hf_dir(root / "hf", config, tensors),
+        expected=expected,
+    )
+
+
+def error_of(fn, *args) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as e:  # the test asserts which one
+        return e
+    return None
+
+
+def test_valid_files_load_exactly_as_before(valid):
+    for source in (valid.gguf, valid.hf):
+        loaded = load_model(source, dtype="float32")
+        expected = llama.LlamaConfig.from_hf(valid.config)
+        assert loaded.config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)  # GGUF stores it as float32
+        assert dataclasses.replace(loaded.config, rms_norm_eps=expected.rms_norm_eps) == expected
+        for got, want in zip(jax.tree.leaves(loaded.weights), jax.tree.leaves(valid.expected), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+# --- GGUF ------------------------------------------------------------------------------------------
+
+
+def gguf_layout(path: Path) -> SimpleNamespace:
+    """Offsets in a valid GGUF file: its tensor table, last table entry (after the name), tensor data, and
+    the end of the last tensor's bytes (and that tensor's name)."""
+    reader = gguf.GGUFReader(path)
+    first, last = reader.tensors[0], reader.tensors[-1]  # the table's first and last entries
+    end, last_data = max((t.data_offset + int(t.n_bytes), t.name) for t in reader.tensors)
+    return SimpleNamespace(
+        table=first.field.offset,
+        last_entry=last.field.offset + 8 + len(last.name.encode()),
+        last_entry_name=last.name,
+        last_entry_dims=len(last.shape),
+        data=reader.data_offset,
+        end=end,
+        last_data=last_data,
+    )
+
+
+@pytest.mark.parametrize("region", ["header", "tensor data"])
+def test_gguf_truncated_at_any_byte(tmp_path, valid, region):
+    data, layout = valid.gguf.read_bytes(), gguf_layout(valid.gguf)
+    if region == "header":  # every byte of magic, metadata, tensor table and padding
+        cuts = range(layout.data)
+    else:
+        cuts = [*range(layout.data, layout.end, (layout.end - layout.data) // 64), layout.end - 1]
+    path = tmp_path / "cut.gguf"
+    for cut in cuts:
+        path.write_bytes(data[:cut])
+        error = error_of(gguf_reader, path)
+        problem = "empty file (0 bytes), not a GGUF file" if cut == 0 else "truncated GGUF file: "
+        assert isinstance(error, ModelFileError) and str(error).startswith(f"{path}: {problem}"), (cut, error)
+
+
+def test_truncated_gguf_says_where_it_ends(tmp_path, valid):
+    data, layout = valid.gguf.read_bytes(), gguf_layout(valid.gguf)
+    cuts = {
+        2: "it ends (at 2 bytes) inside the magic",
+        6: "inside the version",
+        28: "inside the length of the key of metadata entry 0",
+        40: "inside the key of metadata entry 0",
+        layout.table + 12: "inside the name of tensor 0 of",
+        layout.last_entry + 2: f"inside the tensor-table entry of {layout.last_entry_name!r}",
+        (layout.data + layout.end) // 2: "needs bytes up to",
+        layout.end - 1: f"{layout.last_data!r} needs bytes up to {layout.end}, but the file has {layout.end - 1}",
+    }
+    for cut, where in cuts.items():
+        path = tmp_path / f"cut_{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ModelFileError, match="truncated GGUF file") as raised:
+            load_model(path)
+        assert str(raised.value).startswith(f"{path}: ") and where in str(raised.value), (cut, raised.value)
+    with pytest.raises(ModelFileError, match="truncated GGUF file"):
+        gguf_tokenizer(path)  # the tokenizer reads the file through the same check
+
+
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        (b"", "empty file (0 bytes), not a GGUF file"),
+        (b"hello, this is a text file", "not a GGUF file: it starts with b'hell', not b'GGUF'"),
+        (b"PK\x03\x04 a zip archive", r"not a GGUF file: it starts with b'PK\x03\x04', not b'GGUF'"),
+        ("version 99", "unsupported GGUF version 99; versions (2, 3) are read"),
+    ],
+)
+def test_file_named_gguf_that_is_not_one(tmp_path, valid, content, problem):
+    if content == "version 99":
+        content = bytearray(valid.gguf.read_bytes())
+        content[4:8] = struct.pack("<I", 99)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelFileError) as raised:
+        load_model(path)
+    assert str(raised.value) == f"{path}: {problem}"
+
+
+def test_corrupt_gguf_names_what_is_wrong(tmp_path, valid):
+    data, layout = valid.gguf.read_bytes(), gguf_layout(valid.gguf)
+    first_value_type = 24 + 8 + len("general.architecture")  # magic, version, counts; the first key
+    last_type = layout.last_entry + 4 + 8 * layout.last_entry_dims
+    patches = {
+        first_value_type: "the value of metadata key 'general.architecture' has unknown value type 99",
+        layout.last_entry: f"tensor {layout.last_entry_name!r} has 99 dims (ggml has at most 4)",
+        last_type: f"tensor {layout.last_entry_name!r} has unknown ggml type 99",
+    }
+    for offset, problem in patches.items():
+        corrupt = bytearray(data)
+        corrupt[offset : offset + 4] = struct.pack("<I", 99)
+        path = tmp_path / f"corrupt_{offset}.gguf"
+        path.write_bytes(corrupt)
+        with pytest.raises(ModelFileError) as raised:
+            load_model(path)
+        assert str(raised.value) == f"{path}: corrupt GGUF file: {problem}"
