@@ -1,20 +1,26 @@
 """Structure checks of model files before a reader touches them, each error naming the file and what is wrong.
 
 The readers below us report a bad file in their own terms: gguf's `GGUFReader` a truncated file as a
-numpy reshape error, without the path. `check_gguf` comes first and raises `ModelFileError`
-("<path>: <problem>"): it checks magic, version, every metadata value and tensor-table entry, and
-every tensor's byte range against the file size. It reads the header only, never tensor data, so a
-valid file costs one extra pass over its header.
+numpy reshape error, safetensors a bare error code, `json` a position without the path. These checks
+come first and raise `ModelFileError` ("<path>: <problem>"):
+  - `read_json_object`: config.json and model.safetensors.index.json (valid UTF-8 JSON, an object);
+  - `check_safetensors`: the 8-byte header length, the JSON header and every tensor's byte range
+    against the file size;
+  - `check_gguf`: magic, version, every metadata value and tensor-table entry, and every tensor's
+    byte range against the file size.
+They read headers only, never tensor data, so a valid file costs one extra pass over its header.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 
 class ModelFileError(ValueError):
@@ -27,6 +33,115 @@ class ModelFileError(ValueError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.path, self.problem)
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def json_type(value: Any) -> str:
+    """How JSON calls a parsed value's type, for messages."""
+    return _JSON_TYPES.get(type(value), "a number")
+
+
+def read_json_object(path: Path, *, object_pairs_hook: Callable | None = None) -> dict:
+    """A JSON file that must hold one object (config.json, an index); a ModelFileError if it does not."""
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ModelFileError(path, "empty file, expected a JSON object")
+    try:
+        value = json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
+    except UnicodeDecodeError as e:
+        raise ModelFileError(path, f"not UTF-8 text (byte {e.start}), expected a JSON object") from e
+    except json.JSONDecodeError as e:
+        raise ModelFileError(path, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    if not isinstance(value, dict):
+        raise ModelFileError(path, f"expected a JSON object, got {json_type(value)}")
+    return value
+
+
+# --- safetensors: <u64 little-endian header length N> <N bytes of JSON header> <tensor data> ----------
+
+# safetensors refuses headers beyond 100 MB; a bigger length field means the file is something else.
+_SAFETENSORS_MAX_HEADER = 100_000_000
+_SAFETENSORS_ITEM_BYTES = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64"), 8),
+}
+
+
+def check_safetensors(path: Path) -> None:
+    """Checks a safetensors file's header and that every tensor's bytes lie inside the file."""
+    size = path.stat().st_size
+    if size == 0:
+        raise ModelFileError(path, "empty file (0 bytes), not a safetensors file")
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFileError(path, f"truncated safetensors file: {size} bytes, less than its 8-byte header length")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > _SAFETENSORS_MAX_HEADER:
+            raise ModelFileError(
+                path, f"not a safetensors file: its first 8 bytes {head!r} give a header length of {header_len} bytes"
+            )
+        if header_len > size - 8:
+            raise ModelFileError(
+                path,
+                f"truncated safetensors file: its header length is {header_len} bytes but only {size - 8} follow",
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(path, f"not a safetensors file: its header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise ModelFileError(path, f"not a safetensors file: its header is {json_type(header)}, not an object")
+    _check_safetensors_ranges(path, header, size - 8 - header_len)
+
+
+def _check_safetensors_ranges(path: Path, header: dict, data_size: int) -> None:
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, stop = _safetensors_entry(path, name, entry)
+        if stop > data_size:
+            raise ModelFileError(
+                path,
+                f"truncated safetensors file: tensor {name!r} needs data bytes {begin}..{stop} "
+                f"but the file holds {data_size} bytes of tensor data",
+            )
+        end = max(end, stop)
+    if end < data_size:
+        raise ModelFileError(path, f"{data_size - end} bytes after the last tensor's data: not a safetensors file")
+
+
+def _safetensors_entry(path: Path, name: str, entry: Any) -> tuple[int, int]:
+    """(begin, end) of one header entry's data, after checking its fields and byte count."""
+    problem = f"malformed safetensors header entry for tensor {name!r}: {entry!r}"
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        raise ModelFileError(path, problem)
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise ModelFileError(path, problem)
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise ModelFileError(path, problem)
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise ModelFileError(path, problem)
+    item_bytes = _SAFETENSORS_ITEM_BYTES.get(entry["dtype"])
+    if item_bytes is not None and end - begin != math.prod(shape) * item_bytes:
+        raise ModelFileError(
+            path,
+            f"tensor {name!r} ({entry['dtype']}, shape {shape}) needs {math.prod(shape) * item_bytes} bytes, "
+            f"its data_offsets span {end - begin}",
+        )
+    return begin, end
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- GGUF: magic, version, counts, metadata (key, type, value)*, tensor table, aligned tensor data ------

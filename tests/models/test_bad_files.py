@@ -1,11 +1,12 @@
 """Bad model files: every one is a clear error naming the file and what is wrong, raised where the file is
-read; truncation at any byte included. Bad files are built from small valid ones (random tensors of a
-tiny Llama), which still load exactly as before."""
+read; truncation at any byte of a GGUF or safetensors file included. Bad files are built from small
+valid ones (random tensors of a tiny Llama), which still load exactly as before."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from safetensors.numpy import save_file
 from models import llama
 from models.files import ModelFileError
 from models.gguf import gguf_reader, gguf_tokenizer
-from models.loader import load_from_tensors, load_model
+from models.loader import SafetensorsCheckpoint, load_from_tensors, load_model
 
 # Smaller than conftest's tiny config, so a sweep over every cut point stays quick (files of ~100 KB).
 _SMALL = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
@@ -178,3 +179,102 @@ def test_corrupt_gguf_names_what_is_wrong(tmp_path, valid):
         with pytest.raises(ModelFileError) as raised:
             load_model(path)
         assert str(raised.value) == f"{path}: corrupt GGUF file: {problem}"
+
+
+# --- safetensors -----------------------------------------------------------------------------------
+
+
+def safetensors_bytes(header: object, data: bytes = b"") -> bytes:
+    text = header if isinstance(header, str) else json.dumps(header)
+    return struct.pack("<Q", len(text)) + text.encode() + data
+
+
+def test_safetensors_truncated_at_any_byte(tmp_path, valid):
+    data = (valid.hf / "model.safetensors").read_bytes()
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    cuts = [*range(header_end + 1), *range(header_end + 1, len(data), (len(data) - header_end) // 64), len(data) - 1]
+    directory = write_hf_dir(tmp_path / "cut", valid.config)
+    path = directory / "model.safetensors"
+    for cut in cuts:
+        path.write_bytes(data[:cut])
+        error = error_of(SafetensorsCheckpoint, directory)
+        problem = "empty file (0 bytes), not a safetensors file" if cut == 0 else "truncated safetensors file: "
+        assert isinstance(error, ModelFileError) and str(error).startswith(f"{path}: {problem}"), (cut, error)
+
+
+_F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        (b"", "empty file (0 bytes), not a safetensors file"),
+        (b"\x10\x00\x00", "truncated safetensors file: 3 bytes, less than its 8-byte header length"),
+        (b"hello, this is a text file", "not a safetensors file: its first 8 bytes b'hello, t' give a header length"),
+        (safetensors_bytes('{"w": ', bytes(8)), "not a safetensors file: its header is not valid JSON"),
+        (safetensors_bytes([1, 2]), "not a safetensors file: its header is an array, not an object"),
+        (
+            safetensors_bytes({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}, bytes(8)),
+            "malformed safetensors header entry for tensor 'w'",
+        ),
+        (
+            safetensors_bytes({"w": _F32_2 | {"data_offsets": [0, 4]}}, bytes(4)),
+            "tensor 'w' (F32, shape [2]) needs 8 bytes, its data_offsets span 4",
+        ),
+        (safetensors_bytes({"w": _F32_2}, bytes(4)), "truncated safetensors file: tensor 'w' needs data bytes 0..8"),
+        (safetensors_bytes({"w": _F32_2}, bytes(12)), "4 bytes after the last tensor's data: not a safetensors file"),
+    ],
+)
+def test_file_that_is_not_safetensors(tmp_path, valid, content, problem):
+    directory = write_hf_dir(tmp_path / "bad", valid.config)
+    (directory / "model.safetensors").write_bytes(content)
+    with pytest.raises(ModelFileError) as raised:
+        load_model(directory)
+    assert str(raised.value).startswith(f"{directory / 'model.safetensors'}: {problem}"), raised.value
+
+
+def test_sharded_checkpoint_names_the_bad_shard_and_index(tmp_path, valid):
+    names = sorted(valid.tensors)
+    directory = write_hf_dir(tmp_path / "sharded", valid.config)
+    weight_map = {}
+    for i, part in enumerate((names[:6], names[6:])):
+        save_file({k: valid.tensors[k] for k in part}, directory / f"shard-{i}.safetensors")
+        weight_map |= dict.fromkeys(part, f"shard-{i}.safetensors")
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    shard = directory / "shard-1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ModelFileError, match=rf"^{re.escape(str(shard))}: truncated safetensors file: tensor '"):
+        load_model(directory)
+    for text, problem in [
+        ('{"weight_map": {', "not valid JSON: Expecting property name"),
+        ('{"metadata": {}}', "expected a 'weight_map' object of tensor name -> shard file name"),
+        ('{"weight_map": {"model.norm.weight": 3}}', "expected a 'weight_map' object"),
+    ]:
+        index.write_text(text)
+        with pytest.raises(ModelFileError, match=f"^{re.escape(str(index))}: {problem}"):
+            load_model(directory)
+
+
+# --- config.json -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,problem",
+    [
+        ("", "empty file, expected a JSON object"),
+        (
+            '{"vocab_size": 160,',
+            "not valid JSON: Expecting property name enclosed in double quotes at line 1 column 20",
+        ),
+        ('{"vocab_size": 160} trailing', "not valid JSON: Extra data at line 1 column 21"),
+        ("[1, 2]", "expected a JSON object, got an array"),
+        ('"LlamaForCausalLM"', "expected a JSON object, got a string"),
+        (b'{"a": "\xff"}', "not UTF-8 text (byte 7), expected a JSON object"),
+    ],
+)
+def test_malformed_config_json(tmp_path, text, problem):
+    directory = write_hf_dir(tmp_path / "model", text)
+    with pytest.raises(ModelFileError) as raised:
+        load_model(directory)
+    assert str(raised.value) == f"{directory / 'config.json'}: {problem}"
