@@ -73,7 +73,7 @@ def numpy_dtype(dtype: str) -> Any:
 
 def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedModel:
     """Loads a local Hugging Face directory, a .gguf file, an orbax directory, the default model or a hub id."""
-    from models import gguf, registry
+    from models import gguf
     from models.hub import resolve_model_source
 
     np_dtype = numpy_dtype(dtype)
@@ -81,11 +81,11 @@ def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedM
     path = resolved.path
     if resolved.kind == "gguf":
         checkpoint = gguf.open_gguf(path)
-        family, cfg = registry.resolve(checkpoint.hf_config)
+        family, cfg = _resolve_family(checkpoint.hf_config, path, "the config from its metadata: ")
         weights = _assemble(family, cfg, checkpoint.tensors(), np_dtype)
         return LoadedModel(family, cfg, weights, checkpoint.hf_config, str(path), str(source))
     hf_config = read_hf_config(path)
-    family, cfg = registry.resolve(hf_config)
+    family, cfg = _resolve_family(hf_config, path / "config.json")
     if resolved.kind == "orbax":
         weights = load_orbax(path / ORBAX_PARAMS_DIR, family, cfg, dtype)
     else:
@@ -99,6 +99,16 @@ def read_hf_config(directory: Path) -> dict:
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
     return read_json_object(config_path)
+
+
+def _resolve_family(hf_config: dict, path: Path, context: str = "") -> tuple[ModelFamily, ModelConfig]:
+    """`registry.resolve`, its errors (the family's, which know no paths) naming the file the config came from."""
+    from models import registry
+
+    try:
+        return registry.resolve(hf_config)
+    except ValueError as e:
+        raise ModelFileError(path, f"{context}{e}") from e
 
 
 # --- safetensors -------------------------------------------------------------------------------

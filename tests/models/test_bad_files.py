@@ -1,6 +1,6 @@
-"""Bad model files: every one is a clear error naming the file and what is wrong, raised where the file is
-read; truncation at any byte of a GGUF or safetensors file included. Bad files are built from small
-valid ones (random tensors of a tiny Llama), which still load exactly as before."""
+"""Bad model files and config values: each is a clear error naming the file and what is wrong, raised where
+the file is read; truncation at any byte of a GGUF or safetensors file included. Bad files are built from
+small valid ones (random tensors of a tiny Llama), which still load exactly as before."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import llama
+from models import llama, registry
 from models.files import ModelFileError
 from models.gguf import gguf_reader, gguf_tokenizer
 from models.loader import SafetensorsCheckpoint, load_from_tensors, load_model
@@ -181,6 +181,21 @@ def test_corrupt_gguf_names_what_is_wrong(tmp_path, valid):
         assert str(raised.value) == f"{path}: corrupt GGUF file: {problem}"
 
 
+@pytest.mark.parametrize(
+    "overrides,problem",
+    [
+        ({"num_attention_heads": 0}, "GGUF metadata qwen2.attention.head_count must be >= 1, got 0"),
+        ({"rms_norm_eps": 0.0}, "the config from its metadata: rms_norm_eps must be a number > 0, got 0.0"),
+    ],
+)
+def test_bad_gguf_metadata_names_file_and_key(tmp_path, valid, write_gguf, overrides, problem):
+    # qwen2: its q/k rows are not permuted, so the writer takes any head count
+    path = write_gguf(tmp_path / "bad.gguf", "qwen2", valid.config | overrides, valid.tensors)
+    with pytest.raises(ModelFileError) as raised:
+        load_model(path)
+    assert str(raised.value) == f"{path}: {problem}"
+
+
 # --- safetensors -----------------------------------------------------------------------------------
 
 
@@ -278,3 +293,41 @@ def test_malformed_config_json(tmp_path, text, problem):
     with pytest.raises(ModelFileError) as raised:
         load_model(directory)
     assert str(raised.value) == f"{directory / 'config.json'}: {problem}"
+
+
+_NO_ROPE_PARAMETERS = {"rope_parameters": None}  # transformers 5 writes rope_parameters, 4 wrote rope_scaling
+
+
+@pytest.mark.parametrize(
+    "family,overrides,problem",
+    [
+        ("llama", {"num_hidden_layers": "thirty"}, "num_hidden_layers must be an int >= 1, got 'thirty'"),
+        ("llama", {"hidden_size": 64.5}, "hidden_size must be an int >= 1, got 64.5"),
+        ("llama", {"num_attention_heads": None}, "num_attention_heads must be an int >= 1, got null"),
+        ("llama", {"vocab_size": -5}, "vocab_size must be an int >= 1, got -5"),
+        ("llama", {"head_dim": True}, "head_dim must be an int >= 1, got True"),
+        ("llama", {"rms_norm_eps": 0}, "rms_norm_eps must be a number > 0, got 0"),
+        ("llama", {"tie_word_embeddings": "false"}, "tie_word_embeddings must be a bool (true or false), got 'false'"),
+        ("llama", {"architectures": "Llama"}, "architectures must be a list of strings, got 'Llama'"),
+        ("llama", {"model_type": ["llama"]}, "model_type must be a string, got ['llama']"),
+        ("llama", _NO_ROPE_PARAMETERS | {"rope_scaling": "linear"}, "rope_scaling must be a JSON object, got 'linear'"),
+        (
+            "llama",
+            _NO_ROPE_PARAMETERS | {"rope_scaling": {"rope_type": "linear", "factor": "two"}},
+            "rope_scaling.factor must be a number > 0, got 'two'",
+        ),
+        ("llama", {"rope_parameters": {"rope_type": 3}}, "rope_parameters.rope_type must be a string, got 3"),
+        ("llama", {"rope_theta": "1e4"}, "rope_theta must be a number > 0, got '1e4'"),
+        ("mistral", {"sliding_window": "4096"}, "sliding_window must be an int >= 1, got '4096'"),
+        ("qwen2", {"layer_types": "full_attention"}, "layer_types must be a list of strings, got 'full_attention'"),
+    ],
+)
+def test_bad_config_value_names_path_key_and_expectation(tmp_path, tiny_hf_config, family, overrides, problem):
+    config = tiny_hf_config(family) | overrides
+    with pytest.raises(ValueError) as raised:
+        registry.resolve(config)
+    assert str(raised.value) == problem  # the family knows no paths ...
+    directory = write_hf_dir(tmp_path / "model", config)
+    with pytest.raises(ModelFileError) as raised:
+        load_model(directory)
+    assert str(raised.value) == f"{directory / 'config.json'}: {problem}"  # ... the loader adds it
