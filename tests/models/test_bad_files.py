@@ -1,4 +1,4 @@
-"""Bad model files and config values: each is a clear error naming the file and what is wrong, raised where
+"""Bad model files, config values and sources: each is a clear error naming what is wrong, raised where
 the file is read; truncation at any byte of a GGUF or safetensors file included. Bad files are built from
 small valid ones (random tensors of a tiny Llama), which still load exactly as before."""
 
@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import struct
 from pathlib import Path
 from types import SimpleNamespace
 
 import gguf
+import huggingface_hub
 import jax
 import numpy as np
 import pytest
@@ -331,3 +333,36 @@ def test_bad_config_value_names_path_key_and_expectation(tmp_path, tiny_hf_confi
     with pytest.raises(ModelFileError) as raised:
         load_model(directory)
     assert str(raised.value) == f"{directory / 'config.json'}: {problem}"  # ... the loader adds it
+
+
+# --- model sources ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_empty_model_name_is_refused(tmp_path, monkeypatch, valid, name):
+    shutil.copytree(valid.hf, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)  # a model in the current directory must not be picked up
+    with pytest.raises(ValueError, match=f"model must be a local directory, .* or a hub id org/name; got {name!r}"):
+        load_model(name)
+
+
+@pytest.mark.parametrize("name", ["no_such_dir", "no_such_model.gguf", "a/b/c"])
+def test_missing_path_names_where_it_looked(tmp_path, name):
+    with pytest.raises(FileNotFoundError) as raised:
+        load_model(tmp_path / name)
+    assert f"model '{tmp_path / name}' not found: no local directory or .gguf file at {tmp_path / name}" in str(
+        raised.value
+    )
+
+
+def test_hub_id_offline_names_the_local_path_it_tried(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("offline mode is enabled")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError) as raised:
+        load_model("my-models/tiny")
+    message = str(raised.value)
+    assert "could not download 'my-models/tiny' from the Hugging Face hub (LocalEntryNotFoundError" in message
+    assert f"no local directory or file {tmp_path / 'my-models' / 'tiny'}" in message
