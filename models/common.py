@@ -1,5 +1,5 @@
-"""Shared building blocks of every model family: parameter specs, checkpoint rules, norms, rotary
-embeddings (every scaling variant of the dense families) and the gated MLP.
+"""Shared building blocks of every model family: parameter specs, checkpoint rules, config.json value
+checks, norms, rotary embeddings (every scaling variant of the dense families) and the gated MLP.
 
 Family files import these; nothing here knows about a particular architecture.
 
@@ -10,6 +10,8 @@ D model dim, F MLP hidden, V vocab, H query heads, K kv heads, Dh head dim, L la
 from __future__ import annotations
 
 import math
+import reprlib
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,12 +54,92 @@ class CheckpointRule:
     transform: Literal["linear", "reshape"] = "reshape"
 
 
+_KIND_NOUNS = {
+    "int": "an int",
+    "number": "a number",
+    "bool": "a bool (true or false)",
+    "str": "a string",
+    "object": "a JSON object",
+    "str_list": "a list of strings",
+}
+_KIND_TYPES = {"bool": bool, "str": str, "object": dict}
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigKey:
+    """What one config.json value must be: its JSON type and, for numbers, a bound.
+
+    `at_least` is an inclusive lower bound (counts: "an int >= 1"), `above` an exclusive one
+    ("a number > 0"). A bool is never taken for a number, a float never for an int.
+    """
+
+    kind: Literal["int", "number", "bool", "str", "object", "str_list"]
+    at_least: float | None = None
+    above: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND_NOUNS:
+            raise ValueError(f"ConfigKey kind must be one of {', '.join(_KIND_NOUNS)}, got {self.kind!r}")
+
+    def describe(self) -> str:
+        text = _KIND_NOUNS[self.kind]
+        if self.at_least is not None:
+            text += f" >= {self.at_least:g}"
+        if self.above is not None:
+            text += f" > {self.above:g}"
+        return text
+
+    def accepts(self, value: object) -> bool:
+        if self.kind in ("int", "number"):
+            if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
+                return False
+            return (self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+        if self.kind == "str_list":
+            return isinstance(value, list) and all(isinstance(v, str) for v in value)
+        return isinstance(value, _KIND_TYPES[self.kind])
+
+
+def check_config_keys(
+    config: Mapping, keys: Mapping[str, ConfigKey], *, required: Collection[str] = (), prefix: str = ""
+) -> None:
+    """Checks the values of `config` named in `keys` (absent ones are not checked; null means "the default"
+    unless the key is `required`), e.g. "num_hidden_layers must be an int >= 1, got 'thirty'"."""
+    for name, key in keys.items():
+        if name not in config or (config[name] is None and name not in required):
+            continue
+        value = config[name]
+        if not key.accepts(value):
+            shown = "null" if value is None else reprlib.repr(value)
+            raise ValueError(f"{prefix}{name} must be {key.describe()}, got {shown}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Rotary position embeddings
 # ----------------------------------------------------------------------------------------------
 
 RopeVariant = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 _ROPE_VARIANTS: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+_NUMBER = ConfigKey("number")
+# The rope keys `RopeConfig.from_hf` reads at the top of config.json, and inside its rope_scaling /
+# rope_parameters object.
+_ROPE_TOP_KEYS = {
+    "rope_scaling": ConfigKey("object"),
+    "rope_parameters": ConfigKey("object"),
+    "rope_theta": ConfigKey("number", above=0),
+    "partial_rotary_factor": _NUMBER,
+    "original_max_position_embeddings": ConfigKey("int", at_least=1),
+}
+_ROPE_PARAMETER_KEYS = {
+    "rope_type": ConfigKey("str"),
+    "type": ConfigKey("str"),
+    "rope_theta": ConfigKey("number", above=0),
+    "partial_rotary_factor": _NUMBER,
+    "factor": ConfigKey("number", above=0),
+    "original_max_position_embeddings": ConfigKey("int", at_least=1),
+    **dict.fromkeys(("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"), _NUMBER),
+    **dict.fromkeys(("attention_factor", "mscale", "mscale_all_dim"), _NUMBER),
+    "truncate": ConfigKey("bool"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +187,10 @@ class RopeConfig:
     @classmethod
     def from_hf(cls, hf: dict, *, max_position_embeddings: int) -> RopeConfig:
         """Reads `rope_parameters` (transformers >= 5) or the older `rope_theta` + `rope_scaling`."""
-        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        check_config_keys(hf, _ROPE_TOP_KEYS)
+        source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        params = dict(hf.get(source) or {})
+        check_config_keys(params, _ROPE_PARAMETER_KEYS, prefix=f"{source}.")
         variant = params.get("rope_type", params.get("type", "default"))
         if variant not in _ROPE_VARIANTS:
             raise ValueError(f"rope_type must be one of {_ROPE_VARIANTS}, got {variant!r}")

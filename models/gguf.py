@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from models.files import ModelFileError, check_gguf
+
 # general.architecture -> Hugging Face `architectures` name and `model_type`. llama.cpp converts
 # Mistral 7B as "llama" and runs it with full attention; we read it the same way.
 _ARCHITECTURES = {
@@ -148,7 +150,11 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
     from gguf import GGUFReader
 
     del mtime_ns, size  # part of the cache key only: a rewritten file is parsed again
-    return GGUFReader(path)
+    check_gguf(Path(path))  # GGUFReader reports a truncated file as a numpy reshape error, without the path
+    try:
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError) as e:  # what check_gguf does not look at
+        raise ModelFileError(path, f"not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
 @dataclass(slots=True)
@@ -188,7 +194,11 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         from gguf.quants import dequantize
 
         rope_divisors = dequantize(rope_freqs.data, rope_freqs.tensor_type).astype(np.float32).reshape(-1)
-    return GGUFCheckpoint(path=path, hf_config=hf_config_from_metadata(metadata, shapes, rope_divisors), reader=reader)
+    try:
+        hf_config = hf_config_from_metadata(metadata, shapes, rope_divisors)
+    except ValueError as e:
+        raise ModelFileError(path, str(e)) from e
+    return GGUFCheckpoint(path=path, hf_config=hf_config, reader=reader)
 
 
 def hf_config_from_metadata(
@@ -196,16 +206,23 @@ def hf_config_from_metadata(
 ) -> dict:
     """A Hugging Face config.json dict from GGUF metadata and the shapes of its tensors ([out, in] order)."""
     arch = metadata.get("general.architecture")
+    if arch is None:
+        raise ValueError("GGUF metadata lacks general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: "
             f"{', '.join(supported_architectures())}"
         )
 
-    def key(name: str, default: Any = None) -> Any:
+    def key(name: str, default: Any = None, *, number: bool = False) -> Any:
+        """A count (an int >= 1) or, with `number`, any number; checked here so errors name the GGUF key."""
         value = metadata.get(f"{arch}.{name}", default)
         if value is None:
             raise ValueError(f"GGUF metadata lacks {arch}.{name}")
+        if isinstance(value, bool) or not isinstance(value, (int, float) if number else int):
+            raise ValueError(f"GGUF metadata {arch}.{name} must be {'a number' if number else 'an int'}, got {value!r}")
+        if not number and value < 1:
+            raise ValueError(f"GGUF metadata {arch}.{name} must be >= 1, got {value}")
         return value
 
     if "token_embd.weight" not in tensor_shapes:
@@ -224,8 +241,8 @@ def hf_config_from_metadata(
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length", hidden // heads),
         "max_position_embeddings": key("context_length"),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", number=True)),
+        "rope_theta": float(key("rope.freq_base", 10000.0, number=True)),
         # llama.cpp writes the output projection only when it is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "hidden_act": "silu",

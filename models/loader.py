@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from models.common import CheckpointRule, ParamSpec
+from models.files import ModelFileError, check_safetensors, read_json_object
 
 if TYPE_CHECKING:
     from models.registry import ModelConfig, ModelFamily
@@ -72,7 +73,7 @@ def numpy_dtype(dtype: str) -> Any:
 
 def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedModel:
     """Loads a local Hugging Face directory, a .gguf file, an orbax directory, the default model or a hub id."""
-    from models import gguf, registry
+    from models import gguf
     from models.hub import resolve_model_source
 
     np_dtype = numpy_dtype(dtype)
@@ -80,11 +81,11 @@ def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedM
     path = resolved.path
     if resolved.kind == "gguf":
         checkpoint = gguf.open_gguf(path)
-        family, cfg = registry.resolve(checkpoint.hf_config)
+        family, cfg = _resolve_family(checkpoint.hf_config, path, "the config from its metadata: ")
         weights = _assemble(family, cfg, checkpoint.tensors(), np_dtype)
         return LoadedModel(family, cfg, weights, checkpoint.hf_config, str(path), str(source))
     hf_config = read_hf_config(path)
-    family, cfg = registry.resolve(hf_config)
+    family, cfg = _resolve_family(hf_config, path / "config.json")
     if resolved.kind == "orbax":
         weights = load_orbax(path / ORBAX_PARAMS_DIR, family, cfg, dtype)
     else:
@@ -97,8 +98,17 @@ def read_hf_config(directory: Path) -> dict:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
-    with open(config_path) as f:
-        return json.load(f)
+    return read_json_object(config_path)
+
+
+def _resolve_family(hf_config: dict, path: Path, context: str = "") -> tuple[ModelFamily, ModelConfig]:
+    """`registry.resolve`, its errors (the family's, which know no paths) naming the file the config came from."""
+    from models import registry
+
+    try:
+        return registry.resolve(hf_config)
+    except ValueError as e:
+        raise ModelFileError(path, f"{context}{e}") from e
 
 
 # --- safetensors -------------------------------------------------------------------------------
@@ -113,17 +123,34 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return seen
 
 
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """Tensor name -> shard file name, from model.safetensors.index.json."""
+    weight_map = read_json_object(index_path, object_pairs_hook=_no_duplicate_keys).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFileError(index_path, "expected a 'weight_map' object of tensor name -> shard file name")
+    return weight_map
+
+
+def _safetensors_names(file: Path) -> list[str]:
+    """The tensor names of a safetensors file, after checking its header against its size."""
+    from safetensors import SafetensorError, safe_open
+
+    check_safetensors(file)
+    try:
+        with safe_open(file, framework="numpy") as f:
+            return list(f.keys())
+    except SafetensorError as e:  # what check_safetensors does not look at
+        raise ModelFileError(file, f"not a readable safetensors file ({e})") from e
+
+
 class SafetensorsCheckpoint:
     """The tensors of a Hugging Face directory (model.safetensors, or shards listed by the index), read lazily."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
         directory = Path(directory)
         index_path = directory / "model.safetensors.index.json"
         if index_path.is_file():
-            with open(index_path) as f:
-                weight_map = json.load(f, object_pairs_hook=_no_duplicate_keys)["weight_map"]
+            weight_map = _read_weight_map(index_path)
             files = sorted({directory / name for name in weight_map.values()})
         elif (directory / "model.safetensors").is_file():
             weight_map, files = None, [directory / "model.safetensors"]
@@ -136,13 +163,10 @@ class SafetensorsCheckpoint:
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"safetensors shard {file} listed in {index_path.name} does not exist")
-            with safe_open(file, framework="numpy") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    if name in self.location:
-                        raise ValueError(
-                            f"duplicate tensor {name!r}: in both {self.location[name].name} and {file.name}"
-                        )
-                    self.location[name] = file
+            for name in _safetensors_names(file):
+                if name in self.location:
+                    raise ValueError(f"duplicate tensor {name!r}: in both {self.location[name].name} and {file.name}")
+                self.location[name] = file
         for name, file in (weight_map or {}).items():
             if self.location.get(name) != directory / file:
                 raise ValueError(f"{index_path.name} lists tensor {name!r} in {file}, which does not hold it")

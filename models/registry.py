@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from models import llama
 from models.attention import AttentionMetadata, KVCache
-from models.common import CheckpointRule
+from models.common import CheckpointRule, ConfigKey, check_config_keys
 
 
 class ModelConfig(Protocol):
@@ -70,7 +70,9 @@ def supported_architectures() -> list[str]:
 
 
 def resolve(hf_config: dict) -> tuple[ModelFamily, Any]:
-    """(family module, family config) for a Hugging Face config.json dict."""
+    """(family module, family config) for a Hugging Face config.json dict; a ValueError says what is wrong
+    with it (the caller adds which file it came from)."""
+    check_config_keys(hf_config, {"architectures": ConfigKey("str_list")})
     architectures = hf_config.get("architectures") or []
     if not architectures:
         raise ValueError(

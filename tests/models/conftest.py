@@ -5,15 +5,19 @@ Exposed as fixtures that return functions, so any test file under tests/models c
   - `hf_model(hf_config) -> torch model`: float32, eager attention, every parameter random
     (norm weights and biases included, so a misplaced norm or bias changes the output);
   - `weights_from_state_dict(family_module, cfg, state_dict) -> weights`: applies the family's
-    `checkpoint_rules` strictly (an unknown, duplicate or missing tensor fails the test).
+    `checkpoint_rules` strictly (an unknown, duplicate or missing tensor fails the test);
+  - `write_gguf(path, arch, hf_config, tensors, qtype=None) -> path`: a GGUF file written with gguf's
+    GGUFWriter the way llama.cpp's converter writes one.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,6 +137,68 @@ def _get_dict_path(tree: dict, names: list[str]) -> Any:
     return tree
 
 
+# Hugging Face layer module -> llama.cpp tensor name part, as convert_hf_to_gguf.py names them.
+_LAYER_PARTS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in fixed or hf_name == "lm_head.weight":
+        return fixed.get(hf_name, "output.weight")
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: interleaves each head's two rotary halves."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def make_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None) -> Path:
+    """A GGUF file of Hugging Face-named tensors as llama.cpp's converter writes it (q/k rows permuted for llama)."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(0x100 + i) for i in range(config["vocab_size"])])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name, array in tensors.items():
+        array = array.astype(np.float32)
+        proj = name.split(".")[-2]
+        if arch == "llama" and proj in heads:
+            array = llama_cpp_permute(array, heads[proj])
+        if qtype is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 @pytest.fixture(scope="module")
 def single_threaded_torch():
     """Tiny models gain nothing from torch's thread pool, and on shared CI cores its spinning threads
@@ -156,3 +222,8 @@ def hf_model() -> Callable[..., torch.nn.Module]:
 @pytest.fixture(scope="session")
 def weights_from_state_dict() -> Callable[..., Any]:
     return weights_from_hf_state_dict
+
+
+@pytest.fixture(scope="session")
+def write_gguf() -> Callable[..., Path]:
+    return make_gguf

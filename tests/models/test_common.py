@@ -230,8 +230,10 @@ def test_rope_config_reads_old_and_new_hugging_face_keys_alike() -> None:
     [
         ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type must be one of"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-        ({"rope_parameters": {"rope_type": "linear", "factor": 0.0}}, "rope factor must be > 0"),
-        ({"rope_theta": -1.0}, "rope theta must be > 0"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 0.0}}, r"rope_parameters\.factor must be a number > 0"),
+        ({"rope_theta": -1.0}, "rope_theta must be a number > 0, got -1.0"),
+        ({"rope_scaling": [("rope_type", "linear")]}, "rope_scaling must be a JSON object, got"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope_scaling.factor must be a number > 0, got '2'"),
         (
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0}},
             "high_freq_factor > low_freq_factor",

@@ -1,6 +1,6 @@
 """GGUF loading: tiny random models written with gguf's GGUFWriter the way llama.cpp's converter writes
-them (q/k rows permuted for llama, F32 and Q8_0), and the real default model (SmolLM2-135M-Instruct,
-Q4_1) against transformers reading the same file."""
+them (conftest's `write_gguf`: q/k rows permuted for llama, F32 and Q8_0), and the real default model
+(SmolLM2-135M-Instruct, Q4_1) against transformers reading the same file."""
 
 from __future__ import annotations
 
@@ -22,18 +22,6 @@ from models.loader import LoadedModel, load_model
 
 TOKENS = [3, 17, 42, 99, 5, 150, 8]
 
-_LAYER_PARTS = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
 
 def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
     n = len(token_ids)
@@ -48,53 +36,6 @@ def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].numpy()
-
-
-def gguf_name(hf_name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if hf_name in fixed or hf_name == "lm_head.weight":
-        return fixed.get(hf_name, "output.weight")
-    _, _, layer, rest = hf_name.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
-
-
-def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: interleaves each head's two rotary halves."""
-    return (
-        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
-
-
-def write_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None) -> Path:
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([chr(0x100 + i) for i in range(config["vocab_size"])])
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    for name, array in tensors.items():
-        array = array.astype(np.float32)
-        proj = name.split(".")[-2]
-        if arch == "llama" and proj in heads:
-            array = llama_cpp_permute(array, heads[proj])
-        if qtype is not None and array.ndim == 2:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name(name), array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +56,7 @@ def test_hf_names():
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
 
 
-def test_f32_llama_gguf_matches_transformers(tiny):
+def test_f32_llama_gguf_matches_transformers(tiny, write_gguf):
     model, config, tensors, root = tiny
     path = write_gguf(root / "f32.gguf", "llama", config, tensors)
     checkpoint = open_gguf(path)
@@ -131,7 +72,7 @@ def test_f32_llama_gguf_matches_transformers(tiny):
     np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), rtol=1e-4, atol=1e-4)
 
 
-def test_q8_0_llama_gguf_is_dequantised(tiny):
+def test_q8_0_llama_gguf_is_dequantised(tiny, write_gguf):
     model, config, tensors, root = tiny
     path = write_gguf(root / "q8.gguf", "llama", config, tensors, qtype=GGMLQuantizationType.Q8_0)
     loaded = load_model(path, dtype="float32")
@@ -145,7 +86,7 @@ def test_q8_0_llama_gguf_is_dequantised(tiny):
     np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), atol=0.1)
 
 
-def test_qwen2_gguf_keeps_rows_and_biases(tmp_path, tiny_hf_config, hf_model):
+def test_qwen2_gguf_keeps_rows_and_biases(tmp_path, tiny_hf_config, hf_model, write_gguf):
     config = tiny_hf_config("qwen2", tie_word_embeddings=True)
     model = hf_model(config)
     model.save_pretrained(tmp_path / "hf")
