@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from models.common import ParamSpec
 from sharding.mesh import MODEL_AXIS
@@ -37,12 +37,13 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 }
 
 
-def partition_spec(spec: ParamSpec, mesh: Mesh | Mapping[str, int], name: str = "") -> PartitionSpec:
+def partition_spec(spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], name: str = "") -> PartitionSpec:
     """The PartitionSpec of one weight; dimensions that do not divide their mesh axis are replicated.
 
-    mesh: a Mesh, or its axis sizes ({"data": 1, "model": 4}) where only the arithmetic is wanted.
+    mesh: a Mesh or AbstractMesh, or its axis sizes ({"data": 1, "model": 4}) where only the arithmetic
+    is wanted.
     """
-    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+    sizes = _axis_sizes(mesh)
     axes: list[str | None] = []
     for dim, logical in zip(spec.shape, spec.logical_axes, strict=True):
         if logical is not None and logical not in LOGICAL_AXIS_RULES:
@@ -64,14 +65,18 @@ def partition_spec(spec: ParamSpec, mesh: Mesh | Mapping[str, int], name: str = 
     return PartitionSpec(*axes)
 
 
-def shard_shape(spec: ParamSpec, mesh: Mesh | Mapping[str, int]) -> tuple[int, ...]:
+def shard_shape(spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int]) -> tuple[int, ...]:
     """The shape of one device's shard of a tensor declared by `spec`."""
-    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+    sizes = _axis_sizes(mesh)
     split = partition_spec(spec, mesh)
     return tuple(dim // (sizes[axis] if axis is not None else 1) for dim, axis in zip(spec.shape, split, strict=True))
 
 
-def shard_bytes(spec: ParamSpec, mesh: Mesh | Mapping[str, int], itemsize: int) -> int:
+def _axis_sizes(mesh: Mesh | AbstractMesh | Mapping[str, int]) -> Mapping[str, int]:
+    return mesh if isinstance(mesh, Mapping) else mesh.shape
+
+
+def shard_bytes(spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], itemsize: int) -> int:
     """Bytes of one device's shard of a tensor declared by `spec`."""
     return math.prod(shard_shape(spec, mesh)) * itemsize
 

@@ -1,6 +1,7 @@
-"""A table of bad inputs, as a new user would try them, against the LLM API, the constructor, the engine and
-the CLI: each raises the named exception with a message that names the field (or the prompt, the message,
-the file), and afterwards a greedy control request returns the tokens it returned before.
+"""A table of bad inputs, as a new user would try them, against the LLM API, the constructor, the configs,
+the engine and model files (tests/models/test_bad_files.py sweeps those further): each raises the named
+exception with a message that names the field (or the prompt, the message, the file), and afterwards a
+greedy control request returns the tokens it returned before.
 
 A tiny random Llama on the xla backend (its vocabulary has 160 tokens) and the one-character tokenizer.
 """
@@ -264,7 +265,41 @@ CONSTRUCTOR_CASES = [
     ),
 ]
 
-CASES = PROMPT_CASES + PARAMS_CASES + CHAT_CASES + CONSTRUCTOR_CASES
+
+def bad_model(kind: str):
+    """A model path of a bad kind, written when the case runs."""
+
+    def build(llm):
+        import json
+        import tempfile
+        from pathlib import Path
+
+        from models.hub import default_model_path
+
+        root = Path(tempfile.mkdtemp(prefix="bad-model-"))
+        if kind in ("gguf-empty", "gguf-not-gguf", "gguf-truncated"):
+            path = root / "model.gguf"
+            head = default_model_path().read_bytes()[:4096] if kind == "gguf-truncated" else b""
+            path.write_bytes({"gguf-empty": b"", "gguf-not-gguf": b"hello world, not gguf"}.get(kind, head))
+        else:
+            path = root
+            config = dict(llm.model.hf_config)
+            text = "{not json" if kind == "config-not-json" else json.dumps({**config, "num_hidden_layers": "thirty"})
+            (root / "config.json").write_text(text)
+        return construct(model_source=str(path))(llm)
+
+    return build
+
+
+MODEL_FILE_CASES = [
+    ("gguf-empty", bad_model("gguf-empty"), ValueError, "empty file (0 bytes), not a GGUF file"),
+    ("gguf-not-gguf", bad_model("gguf-not-gguf"), ValueError, "not a GGUF file"),
+    ("gguf-truncated", bad_model("gguf-truncated"), ValueError, "truncated GGUF file"),
+    ("config-not-json", bad_model("config-not-json"), ValueError, "config.json: not valid JSON"),
+    ("config-wrong-type", bad_model("config-wrong-type"), ValueError, "num_hidden_layers must be an int >= 1"),
+]
+
+CASES = PROMPT_CASES + PARAMS_CASES + CHAT_CASES + CONSTRUCTOR_CASES + MODEL_FILE_CASES
 
 
 def test_the_table_has_at_least_150_bad_inputs():
