@@ -231,20 +231,44 @@ LONG_RUN = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # 
 
 @pytest.fixture(scope="module")
 def long_generate_seconds(llm, alone) -> float:
-    start = time.perf_counter()
-    llm.generate(PROMPTS, LONG_RUN, use_tqdm=False)
-    return time.perf_counter() - start
+    """The shortest of two uninterrupted runs of the workload below."""
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        llm.generate(PROMPTS, LONG_RUN, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _interrupted_generate(llm, delay: float) -> bool:
+    """Sends SIGINT `delay` seconds into a generate; whether it interrupted it (not: the generate won).
+
+    The timer thread is joined inside the try, so a signal sent just as the generate returned is
+    raised, and caught, here rather than in the test runner.
+    """
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        try:
+            llm.generate(PROMPTS, LONG_RUN, use_tqdm=False)
+        finally:
+            timer.cancel()
+            timer.join()
+    except KeyboardInterrupt:
+        return True
+    return False
 
 
 @pytest.mark.parametrize("moment", [0.05, 0.2, 0.4, 0.6, 0.8])
 def test_a_real_sigint_during_generate(llm, alone, idle_after, long_generate_seconds, moment):
     """Ctrl-C as a notebook user presses it: a SIGINT lands wherever the engine is at that moment of a
-    generate (a fraction of its uninterrupted duration)."""
-    timer = threading.Timer(moment * long_generate_seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS, LONG_RUN, use_tqdm=False)
-    finally:
-        timer.cancel()
+    generate (a fraction of its uninterrupted duration; halved and tried again when the machine ran the
+    generate faster than that)."""
+    delay = moment * long_generate_seconds
+    for _ in range(5):
+        if _interrupted_generate(llm, delay):
+            break
+        delay /= 2
+    else:
+        pytest.fail(f"no generate was interrupted ({long_generate_seconds:.3f} s uninterrupted)")
     assert llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)[1].outputs[0].token_ids == alone[3]
