@@ -21,11 +21,11 @@ import sys
 import time
 
 import numpy as np
-from common import LLAMA_8B, SMOLLM2_SHAPE
+from common import LLAMA_3_1_8B, SMOLLM2_135M
 
 RANDOM_MODELS = {
-    "llama8b": ("llama-3.1-8b-shaped (random)", LLAMA_8B),
-    "smollm2-random": ("smollm2-shaped (random)", SMOLLM2_SHAPE),
+    "llama8b": ("llama-3.1-8b-shaped (random)", LLAMA_3_1_8B),
+    "smollm2-random": ("smollm2-shaped (random)", SMOLLM2_135M),
 }
 
 
