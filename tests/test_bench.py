@@ -6,12 +6,14 @@ checked)."""
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxserve import bench, workload
-from jaxserve.cli import main
+from jaxserve.cli import _validate_bench, build_parser, main
 from jaxserve.sampling import CompletionOutput, RequestMetrics, RequestOutput
 from models import registry, shapes
 
@@ -320,6 +322,15 @@ def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
         main(["bench", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_readme_commands_parse():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Benchmarking", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("jaxserve bench")]
+    assert len(commands) == 3
+    for command in commands:
+        _validate_bench(build_parser().parse_args(shlex.split(command)[1:]))
 
 
 def test_a_bad_dataset_is_an_error_before_the_model_loads(tmp_path, capsys):
