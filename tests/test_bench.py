@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +75,11 @@ def test_every_shape_resolves_and_shape_returns_a_copy():
     assert shapes.shape("tiny-llama")["vocab_size"] == VOCAB
     with pytest.raises(ValueError, match="unknown model shape 'nope'; known shapes: llama-3.1-8b, smollm2-135m"):
         shapes.shape("nope")
+
+
+def test_building_workloads_and_parsing_flags_load_no_jax():
+    code = "import sys, jaxserve.workload, jaxserve.bench, jaxserve.cli; assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_random_workload_has_the_lengths_and_is_fixed_by_the_seed():
