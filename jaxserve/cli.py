@@ -180,7 +180,7 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--random-weights",
         metavar="NAME",
         choices=list(SHAPES),
-        help=f"random weights of a known shape, no checkpoint: {', '.join(SHAPES)}",
+        help=f"random weights of a known shape, no checkpoint: {', '.join(SHAPES)} (tiny-llama: a 2-layer test shape)",
     )
     sampling = parser.add_argument_group("sampling (greedy by default)")
     sampling.add_argument(
