@@ -21,49 +21,20 @@ import sys
 import time
 
 import numpy as np
-from common import LLAMA_8B, SMOLLM2_SHAPE
 
-RANDOM_MODELS = {
-    "llama8b": ("llama-3.1-8b-shaped (random)", LLAMA_8B),
-    "smollm2-random": ("smollm2-shaped (random)", SMOLLM2_SHAPE),
-}
-
-
-class _NoTokenizer:
-    """Token ids in, token ids out: the random-weight model has no vocabulary to detokenize."""
-
-    eos_token_ids: tuple[int, ...] = ()
-
-    def encode(self, text: str) -> list[int]:
-        raise ValueError("this benchmark model takes token ids only")
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return ""
+# The random-weight models: this script's names for the shapes of models/shapes.py.
+RANDOM_MODELS = {"llama8b": "llama-3.1-8b", "smollm2-random": "smollm2-135m"}
 
 
 def load(args: argparse.Namespace):
-    import jax
-    import jax.numpy as jnp
-
+    from jaxserve import bench
     from jaxserve.tokenizer import Tokenizer
-    from models import registry
-    from models.loader import LoadedModel, load_model
+    from models.loader import load_model
 
     if args.model == "smollm2":
         model = load_model("smollm2-135m-instruct", dtype=args.dtype)
         return model, Tokenizer.from_source(model.tokenizer_source)
-    name, hf_config = RANDOM_MODELS[args.model]
-    family, cfg = registry.resolve(hf_config)
-    weights = family.init_weights(cfg, jax.random.key(0), jnp.dtype(args.dtype))
-    jax.block_until_ready(weights)
-    return LoadedModel(family, cfg, weights, hf_config, None, name), _NoTokenizer()
-
-
-def _decode_step_ms(stats: list) -> float | None:
-    """Median time between consecutive decode-only step launches: the steady decode step time."""
-    pairs = zip(stats[:-1], stats[1:], strict=True)
-    gaps = [b.launched_at - a.launched_at for a, b in pairs if a.num_prefill_rows == b.num_prefill_rows == 0]
-    return round(1e3 * float(np.median(gaps)), 3) if gaps else None
+    return bench.random_model(RANDOM_MODELS[args.model], args.dtype), bench.TokenIdTokenizer()
 
 
 def main() -> None:
@@ -92,7 +63,7 @@ def main() -> None:
     for noisy in ("jax", "absl"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from jaxserve import capacity
+    from jaxserve import bench, capacity, workload
 
     capacity.raise_memory_fraction_default()
 
@@ -125,9 +96,7 @@ def main() -> None:
         show_progress=False,
     )
     engine_s = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    vocab = model.config.vocab_size
-    prompts = [rng.integers(100, min(vocab, 32000), args.prompt_len).tolist() for _ in range(args.num_prompts)]
+    prompts = workload.random_prompts(args.num_prompts, args.prompt_len, model.config.vocab_size, seed=0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     first_stat = len(llm.step_stats)
@@ -142,6 +111,7 @@ def main() -> None:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     tokens = np.array([o.outputs[0].token_ids for o in outputs], dtype=np.int32)
     stats = llm.step_stats[first_stat:]
+    step_ms = bench.decode_step_ms(stats)
     result = {
         "model": args.model,
         "backend": args.backend,
@@ -161,7 +131,7 @@ def main() -> None:
         "steps": len(stats),
         "mean_host_ms": round(1e3 * float(np.mean([s.host_seconds for s in stats])), 3) if stats else None,
         "mean_dispatch_ms": round(1e3 * float(np.mean([s.dispatch_seconds for s in stats])), 3) if stats else None,
-        "decode_step_ms": _decode_step_ms(stats),
+        "decode_step_ms": None if step_ms is None else round(step_ms, 3),
     }
     if args.save_tokens:
         np.save(args.save_tokens, tokens)

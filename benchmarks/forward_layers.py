@@ -13,7 +13,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import LLAMA_8B, timed_ms
+from common import LLAMA_3_1_8B, timed_ms
 
 from models import llama, registry
 from models.attention import PagedAttentionMetadata, init_paged_cache
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--backend", default="pallas")
     args = parser.parse_args()
-    family, cfg = registry.resolve(LLAMA_8B)
+    family, cfg = registry.resolve(LLAMA_3_1_8B)
     weights = family.init_weights(cfg, jax.random.key(0), jnp.bfloat16)
     layers = [jax.tree_util.tree_map(lambda w, i=i: w[i] + 0, weights.layers) for i in range(cfg.num_layers)]
     B, ctx, block = args.batch, args.context, 16

@@ -12,7 +12,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from common import SMOLLM2_SHAPE
+from common import SMOLLM2_135M
 
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.inputs import Bucket, StepConfig, StepVariant
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=40.0)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
-    family, cfg = registry.resolve(SMOLLM2_SHAPE)
+    family, cfg = registry.resolve(SMOLLM2_135M)
     weights = family.init_weights(cfg, jax.random.key(0), jnp.bfloat16)
     config = EngineConfig(
         max_batch_size=args.batch,

@@ -1,6 +1,7 @@
-"""The `jaxserve` command line: generate, chat.
+"""The `jaxserve` command line: generate, chat, bench throughput | latency.
 
-stdout carries only the generated text, so the output can be piped; progress and logs go to stderr.
+stdout carries only the generated text (or the benchmark's report), so the output can be piped; progress
+and logs go to stderr. The benchmarks' logic is `jaxserve.bench`'s; this module parses and calls.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def _add_generation_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("message", help="the user's message")
     chat.add_argument("--system", default=None, help="an optional system message")
     _add_generation_args(chat)
+    _add_bench_parsers(commands)
     return parser
 
 
@@ -98,17 +102,317 @@ def run(args: argparse.Namespace) -> str:
     return output.outputs[0].text
 
 
+# ---- jaxserve bench throughput | latency --------------------------------------------------------
+
+
+def _add_bench_parsers(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="benchmark the engine: throughput or latency")
+    kinds = bench.add_subparsers(dest="benchmark", required=True)
+    for parser in (_add_throughput_parser(kinds), _add_latency_parser(kinds)):
+        _add_bench_options(parser)
+        parser.set_defaults(subparser=parser)  # for the errors that need several flags
+
+
+def _add_throughput_parser(kinds: Any) -> argparse.ArgumentParser:
+    parser = kinds.add_parser(
+        "throughput",
+        help="one timed generate of many requests: tok/s, req/s, TTFT / TPOT percentiles, step times",
+        description="Generates a workload (random token ids, or a JSONL dataset) in one timed LLM.generate after a "
+        "small warm-up one; every request makes exactly its output length of tokens (ignore_eos).",
+    )
+    count = _int_at_least(1)
+    workload = parser.add_argument_group("workload")
+    workload.add_argument(
+        "--num-requests", type=count, metavar="N", help="requests (default: 256; with --dataset: all)"
+    )
+    workload.add_argument(
+        "--input-len", type=count, metavar="N", help="prompt tokens (random ids) per request (default: 128)"
+    )
+    workload.add_argument(
+        "--output-len",
+        type=count,
+        metavar="N",
+        help="tokens per request (default: 128; with --dataset: where a line has none)",
+    )
+    workload.add_argument(
+        "--dataset",
+        metavar="FILE.jsonl",
+        help='requests from a file: one JSON object per line with "prompt" (text) or "prompt_token_ids", '
+        'optionally "output_len" or "max_tokens"',
+    )
+    workload.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="tokenizer of text prompts: a model directory or .gguf (default: the model's)",
+    )
+    return parser
+
+
+def _add_latency_parser(kinds: Any) -> argparse.ArgumentParser:
+    parser = kinds.add_parser(
+        "latency",
+        help="end-to-end latency of one batch, repeated: latency, TTFT and TPOT percentiles",
+        description="Generates one batch of random-id requests --num-iters times after --num-warmup untimed times "
+        "(fresh prompts each time); every request makes exactly --output-len tokens (ignore_eos).",
+    )
+    count = _int_at_least(1)
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--batch-size", type=count, default=1, metavar="N", help="requests per batch (default: 1)")
+    workload.add_argument("--input-len", type=count, default=128, metavar="N", help="prompt tokens (default: 128)")
+    workload.add_argument(
+        "--output-len", type=count, default=128, metavar="N", help="tokens per request (default: 128)"
+    )
+    workload.add_argument("--num-iters", type=count, default=5, metavar="N", help="timed iterations (default: 5)")
+    workload.add_argument(
+        "--num-warmup", type=_int_at_least(0), default=1, metavar="N", help="untimed iterations first (default: 1)"
+    )
+    return parser
+
+
+def _add_bench_options(parser: argparse.ArgumentParser) -> None:
+    """The model, sampling, engine and output options both benchmarks take."""
+    from models.hub import DEFAULT_MODEL
+    from models.shapes import SHAPES
+
+    source = parser.add_argument_group("model").add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"model name, HF directory, GGUF file or hub id (default: {DEFAULT_MODEL})")
+    source.add_argument(
+        "--random-weights",
+        metavar="NAME",
+        choices=list(SHAPES),
+        help=f"random weights of a known shape, no checkpoint: {', '.join(SHAPES)} (tiny-llama: a 2-layer test shape)",
+    )
+    sampling = parser.add_argument_group("sampling (greedy by default)")
+    sampling.add_argument(
+        "--temperature", type=_float_in(0.0, None), default=0.0, metavar="X", help="0 is greedy (default: 0)"
+    )
+    sampling.add_argument(
+        "--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0, metavar="X", help="in (0, 1] (default: 1)"
+    )
+    sampling.add_argument(
+        "--top-k", type=_top_k, default=None, metavar="N", help="an int >= 1; -1 or 0 disable it (default: off)"
+    )
+    sampling.add_argument(
+        "--seed",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="seed of the random prompts and the engine (default: 0)",
+    )
+    sampling.add_argument(
+        "--seed-per-request", action="store_true", help="request i samples with seed + i (the same whatever the batch)"
+    )
+    _add_engine_options(parser.add_argument_group("engine"))
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    output.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+
+
+def _add_engine_options(group: Any) -> None:
+    from jaxserve.config import ATTENTION_BACKENDS, DTYPES, CapacityPolicy
+
+    positive = _int_at_least(1)
+    group.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="auto (default) = bfloat16 on GPU, float32 on CPU"
+    )
+    group.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto (default) = pallas on GPU, xla elsewhere",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="devices the model is split over (default: 1)",
+    )
+    group.add_argument(
+        "--max-batch-size",
+        type=positive,
+        metavar="N",
+        help="sequences per step (default: 256 on GPU, 8 on CPU; latency: --batch-size)",
+    )
+    group.add_argument("--max-num-tokens", type=positive, metavar="N", help="tokens per step (default: 8192)")
+    group.add_argument(
+        "--max-seq-len", type=_int_at_least(2), metavar="N", help="default: the longest request's prompt + output"
+    )
+    group.add_argument(
+        "--kv-cache-free-memory-fraction",
+        type=_float_in(0.0, 1.0, low_open=True),
+        default=0.9,
+        metavar="X",
+        help="share of the free device memory the KV cache takes, in (0, 1] (default: 0.9)",
+    )
+    group.add_argument("--kv-cache-max-tokens", type=positive, metavar="N", help="cap on the KV pool, in tokens")
+    group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
+    group.add_argument(
+        "--capacity-policy",
+        choices=[p.value for p in CapacityPolicy],
+        default=CapacityPolicy.GUARANTEED_NO_EVICT.value,
+        help="admission policy (default: guaranteed_no_evict)",
+    )
+    group.add_argument(
+        "--decode-batch-sizes", type=_sizes, metavar="N,N,...", help="comma-separated decode step sizes to compile"
+    )
+    group.add_argument(
+        "--token-buckets",
+        type=_sizes,
+        metavar="N,N,...",
+        help="comma-separated token counts of prefill steps to compile",
+    )
+    group.add_argument("--greedy-variants", action="store_true", help="also compile all-greedy steps (no conditionals)")
+    group.add_argument("--cache-dir", metavar="DIR", help="persistent compilation cache directory")
+
+
+def _int_at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float | None, low_open: bool = False) -> Any:
+    if high is None:
+        allowed = f"a number {'>' if low_open else '>='} {low:g}"
+    else:
+        allowed = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        above_low = value > low if low_open else value >= low
+        if not above_low or (high is not None and not value <= high):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+        return value
+
+    return parse
+
+
+def _top_k(text: str) -> int | None:
+    value = _int_at_least(-1)(text)
+    return None if value in (-1, 0) else value
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
+    return sizes
+
+
+def _validate_bench(args: argparse.Namespace) -> None:
+    """Checks that need several flags, and fills the throughput workload's defaults."""
+    if args.benchmark != "throughput":
+        return
+    if args.dataset is not None and args.input_len is not None:
+        args.subparser.error("--input-len does not apply with --dataset: the dataset gives the prompts")
+    if args.dataset is None:
+        args.num_requests = 256 if args.num_requests is None else args.num_requests
+        args.input_len = 128 if args.input_len is None else args.input_len
+    args.output_len = 128 if args.output_len is None else args.output_len
+
+
+def run_bench(args: argparse.Namespace) -> str:
+    """Runs `jaxserve bench throughput | latency`; returns the report (a table, or one JSON object)."""
+    from jaxserve import bench, capacity, workload
+    from jaxserve.config import model_max_seq_len
+
+    capacity.raise_memory_fraction_default()  # before anything starts a jax backend
+    is_throughput = args.benchmark == "throughput"
+    entries = workload.read_dataset(args.dataset, args.num_requests) if is_throughput and args.dataset else None
+    start = time.perf_counter()
+    model, tokenizer = bench.load_model(args.model, args.random_weights, args.dtype, getattr(args, "tokenizer", None))
+    load_s = time.perf_counter() - start
+    vocab = model.config.vocab_size
+    batches = _bench_workloads(args, entries, tokenizer, vocab)
+    limit = model_max_seq_len(model.hf_config)
+    max_seq_len = workload.engine_max_seq_len(max(b.max_seq_len for b in batches), args.max_seq_len, limit)
+    start = time.perf_counter()
+    llm = _bench_llm(args, model, tokenizer, max_seq_len)
+    engine = bench.engine_summary(llm, load_s, time.perf_counter() - start)
+    sampling = workload.SamplingOptions(
+        args.temperature, args.top_p, args.top_k, args.seed if args.seed_per_request else None
+    )
+    if is_throughput:
+        warmup = workload.warmup_workload(batches[0], vocab, args.seed)
+        result = bench.run_throughput(llm, batches[0], sampling, engine, warmup)
+    else:
+        result = bench.run_latency(llm, batches, sampling, engine, args.num_warmup)
+    return bench.report(result, as_json=args.json)
+
+
+def _bench_workloads(args: argparse.Namespace, entries: Any, tokenizer: Any, vocab: int) -> list[Any]:
+    """The latency benchmark's batches (warm-up ones first), or the throughput benchmark's one workload."""
+    from jaxserve import workload
+
+    if args.benchmark == "latency":
+        count = args.num_warmup + args.num_iters
+        return workload.latency_batches(args.batch_size, args.input_len, args.output_len, vocab, args.seed, count)
+    if entries is not None:
+        return [workload.dataset_workload(entries, tokenizer, vocab, args.output_len)]
+    return [workload.random_workload(args.num_requests, args.input_len, args.output_len, vocab, args.seed)]
+
+
+def _bench_llm(args: argparse.Namespace, model: Any, tokenizer: Any, max_seq_len: int) -> Any:
+    from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
+    from jaxserve.llm import LLM
+
+    max_batch_size = args.max_batch_size
+    if max_batch_size is None and args.benchmark == "latency":
+        max_batch_size = args.batch_size
+    return LLM(
+        model,
+        tokenizer=tokenizer,
+        max_batch_size=max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=max_seq_len,
+        kv_cache_config=KvCacheConfig(
+            free_memory_fraction=args.kv_cache_free_memory_fraction,
+            max_tokens=args.kv_cache_max_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler_config=SchedulerConfig(capacity_policy=CapacityPolicy(args.capacity_policy)),
+        compile_config=CompileConfig(
+            decode_batch_sizes=args.decode_batch_sizes,
+            token_buckets=args.token_buckets,
+            cache_dir=args.cache_dir,
+            penalty_variants=False,  # the benchmark's requests have no penalties
+            greedy_variants=args.greedy_variants,
+        ),
+        attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed,
+        show_progress=args.verbose,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _validate(args, parser)
+    if args.command == "bench":
+        _validate_bench(args)
+    else:
+        _validate(args, parser)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        text = run(args)
+        text = run_bench(args) if args.command == "bench" else run(args)
     except (FileNotFoundError, ValueError, TypeError, RuntimeError) as error:
         print(f"jaxserve: error: {error}", file=sys.stderr)
         return 1

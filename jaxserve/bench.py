@@ -1,0 +1,445 @@
+"""`jaxserve bench throughput | latency`: offline benchmarks of the engine through the `LLM` API, as plain
+functions (workloads, metrics, reports); `jaxserve.cli` parses the flags and calls them.
+
+throughput: a workload (random token ids of fixed lengths, or a JSONL dataset) goes to one timed
+`LLM.generate`, after a small warm-up generate. The report: token and request rates, per-request TTFT,
+TPOT and latency percentiles (from `RequestOutput.metrics`), the step-time breakdown (from
+`LLM.step_stats`), the KV pool and its peak usage, start-up and compile times.
+latency: `num_warmup`, then `num_iters` timed generates of one batch of `batch_size` requests; the report:
+the end-to-end latency of an iteration, TTFT, TPOT and output tok/s.
+
+The workloads (random prompts, dataset files, warm-up and latency batches) are `jaxserve.workload`'s:
+every request makes exactly its output length of tokens (ignore_eos); greedy unless a temperature is given.
+
+Per request: TTFT = first_token_time - arrival_time; TPOT = (finished_time - first_token_time) /
+(output tokens - 1), for requests of two tokens or more; latency = finished_time - arrival_time. All
+requests of a generate arrive when it starts, so TTFT includes the time a request waits for a batch slot.
+Percentiles interpolate linearly between samples (numpy's default). decode_step_ms is the median time
+between the launches of consecutive decode-only steps: the steady decode step time.
+
+JSON (`to_json`): one object; a time's key ends in its unit (`_s`, `_ms`); floats are rounded to 6
+significant digits.
+  both:       "benchmark" ("throughput" | "latency"),
+              "engine": {"model", "backend", "dtype", "tensor_parallel_size", "max_batch_size",
+                         "max_num_tokens", "max_seq_len", "kv_blocks", "kv_tokens", "kv_gib", "load_s",
+                         "init_s" (engine construction: profile, KV pool, compiling), "warmup_s" (of which
+                         compiling), "compiled_steps"},
+              "output_tok_per_s", "ttft_ms", "tpot_ms": {"mean", "p50", "p90", "p99"} (null without samples),
+              "steps": {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms",
+                        "peak_kv_usage" (a fraction of the pool), "num_preempted"}
+  throughput: "num_requests", "input_tokens", "output_tokens", "elapsed_s", "total_tok_per_s",
+              "requests_per_s", "latency_ms": {"mean", "p50", "p90", "p99"}
+  latency:    "batch_size", "input_len", "output_len", "num_iters", "num_warmup",
+              "latency_s": {"mean", "p50", "p90", "p99"}, "iteration_latencies_s": [...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jaxserve.sampling import RequestMetrics, RequestOutput
+from jaxserve.workload import SamplingOptions, Workload
+from models import shapes
+
+if TYPE_CHECKING:
+    from jaxserve.engine import StepStats
+    from jaxserve.llm import LLM
+    from models.loader import LoadedModel
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+class TokenIdTokenizer:
+    """Token ids in, no text out: for a model without a tokenizer (random weights have no vocabulary)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(
+            "a text prompt needs a tokenizer, and this model has none (give prompt_token_ids or --tokenizer)"
+        )
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
+    """A model of a known shape (`models.shapes`) with random weights; dtype "auto" as `LLM` resolves it."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.llm import resolve_dtype
+    from models import registry
+    from models.loader import LoadedModel
+
+    hf_config = shapes.shape(name)
+    family, cfg = registry.resolve(hf_config)
+    weights = family.init_weights(cfg, jax.random.key(seed), jnp.dtype(resolve_dtype(dtype)))
+    jax.block_until_ready(weights)
+    return LoadedModel(family, cfg, weights, hf_config, None, f"{name} (random weights)")
+
+
+def load_model(
+    model: str | None, random_weights: str | None, dtype: str = "auto", tokenizer: str | None = None
+) -> tuple[LoadedModel, Any]:
+    """The model (a checkpoint, or random weights of a named shape) and its tokenizer: `tokenizer` when
+    given, else the checkpoint's, else a `TokenIdTokenizer` (token-id prompts only)."""
+    from jaxserve.llm import resolve_dtype
+    from jaxserve.tokenizer import Tokenizer
+    from models.loader import load_model as load_checkpoint
+
+    if random_weights is not None:
+        loaded = random_model(random_weights, dtype)
+    else:
+        from models.hub import DEFAULT_MODEL
+
+        loaded = load_checkpoint(model or DEFAULT_MODEL, dtype=resolve_dtype(dtype))
+    source = tokenizer if tokenizer is not None else loaded.tokenizer_source
+    return loaded, TokenIdTokenizer() if source is None else Tokenizer.from_source(source)
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    """The mean and three percentiles of a set of samples."""
+
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+
+def percentiles(values: Sequence[float], scale: float = 1.0) -> Percentiles | None:
+    """Mean and p50 / p90 / p99 of the values times `scale`; None without values."""
+    if len(values) == 0:
+        return None
+    array = np.asarray(values, dtype=np.float64) * scale
+    p50, p90, p99 = np.percentile(array, [50, 90, 99])
+    return Percentiles(float(array.mean()), float(p50), float(p90), float(p99))
+
+
+def time_per_output_token(metrics: RequestMetrics, num_output_tokens: int) -> float | None:
+    """Seconds per output token after the first; None for a request of fewer than two tokens."""
+    if num_output_tokens < 2 or metrics.first_token_time is None or metrics.finished_time is None:
+        return None
+    return (metrics.finished_time - metrics.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """Per-request times of a set of outputs, in milliseconds."""
+
+    ttft_ms: Percentiles | None
+    tpot_ms: Percentiles | None
+    latency_ms: Percentiles | None
+
+
+def request_times(outputs: Sequence[RequestOutput]) -> RequestTimes:
+    ttft = [o.metrics.time_to_first_token for o in outputs]
+    tpot = [time_per_output_token(o.metrics, len(o.outputs[0].token_ids)) for o in outputs]
+    latency = [o.metrics.latency for o in outputs]
+    return RequestTimes(*(percentiles([v for v in values if v is not None], 1e3) for values in (ttft, tpot, latency)))
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """What the engine's steps did during the timed generates (see the module docstring)."""
+
+    num_steps: int
+    mean_host_ms: float | None
+    mean_dispatch_ms: float | None
+    decode_step_ms: float | None
+    peak_kv_usage: float | None
+    num_preempted: int
+
+
+def decode_step_ms(stats: Sequence[StepStats]) -> float | None:
+    """Median milliseconds between the launches of consecutive decode-only steps; None without such pairs."""
+    pairs = zip(stats[:-1], stats[1:], strict=True)
+    gaps = [b.launched_at - a.launched_at for a, b in pairs if a.num_prefill_rows == b.num_prefill_rows == 0]
+    return 1e3 * float(np.median(gaps)) if gaps else None
+
+
+def step_summary(stats: Sequence[StepStats]) -> StepSummary:
+    def mean_ms(values: list[float]) -> float | None:
+        return 1e3 * float(np.mean(values)) if values else None
+
+    return StepSummary(
+        num_steps=len(stats),
+        mean_host_ms=mean_ms([s.host_seconds for s in stats]),
+        mean_dispatch_ms=mean_ms([s.dispatch_seconds for s in stats]),
+        decode_step_ms=decode_step_ms(stats),
+        peak_kv_usage=max((s.kv_usage for s in stats), default=None),
+        num_preempted=sum(s.num_preempted for s in stats),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSummary:
+    """The engine a benchmark ran on (see the module docstring for the fields)."""
+
+    model: str
+    backend: str
+    dtype: str
+    tensor_parallel_size: int
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    kv_blocks: int
+    kv_tokens: int
+    kv_gib: float
+    load_s: float
+    init_s: float
+    warmup_s: float
+    compiled_steps: int
+
+
+def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
+    from sharding.mesh import MODEL_AXIS
+
+    engine, config = llm.engine, llm.config
+    budget, spec = engine.kv_budget, engine.runner.spec
+    return EngineSummary(
+        model=llm.model.source,
+        backend=spec.backend,
+        dtype=np.dtype(spec.dtype).name,
+        tensor_parallel_size=int(engine.runner.mesh.shape[MODEL_AXIS]),
+        max_batch_size=config.max_batch_size,
+        max_num_tokens=config.max_num_tokens,
+        max_seq_len=config.max_seq_len,
+        kv_blocks=budget.num_blocks,
+        kv_tokens=budget.tokens(config.kv_cache.block_size),
+        kv_gib=budget.num_blocks * budget.bytes_per_block / 2**30,
+        load_s=load_s,
+        init_s=init_s,
+        warmup_s=engine.warmup_seconds,
+        compiled_steps=len(engine.runner.compiled_steps),
+    )
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TimedRun:
+    """One generate: its outputs, its wall-clock seconds and the stats of the steps it launched."""
+
+    outputs: list[RequestOutput]
+    elapsed_s: float
+    stats: list[StepStats]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o.outputs[0].token_ids) for o in self.outputs)
+
+
+def timed_generate(llm: LLM, workload: Workload, sampling: SamplingOptions) -> TimedRun:
+    """Generates the workload; a request that could not be served is a RuntimeError (it would skew the figures)."""
+    params = sampling.params(workload.output_lens)
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    failed = [o for o in outputs if o.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}")
+    return TimedRun(outputs, elapsed, [s for s in llm.step_stats if s.launched_at >= start])
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputResult:
+    """What `run_throughput` measured; the JSON keys of the module docstring."""
+
+    engine: EngineSummary
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    output_tok_per_s: float
+    total_tok_per_s: float
+    requests_per_s: float
+    ttft_ms: Percentiles | None
+    tpot_ms: Percentiles | None
+    latency_ms: Percentiles | None
+    steps: StepSummary
+
+
+def run_throughput(
+    llm: LLM, workload: Workload, sampling: SamplingOptions, engine: EngineSummary, warmup: Workload
+) -> ThroughputResult:
+    """The warm-up generate, then the timed one."""
+    timed_generate(llm, warmup, sampling)
+    run = timed_generate(llm, workload, sampling)
+    times = request_times(run.outputs)
+    input_tokens = sum(len(o.prompt_token_ids) for o in run.outputs)
+    return ThroughputResult(
+        engine=engine,
+        num_requests=len(run.outputs),
+        input_tokens=input_tokens,
+        output_tokens=run.output_tokens,
+        elapsed_s=run.elapsed_s,
+        output_tok_per_s=run.output_tokens / run.elapsed_s,
+        total_tok_per_s=(input_tokens + run.output_tokens) / run.elapsed_s,
+        requests_per_s=len(run.outputs) / run.elapsed_s,
+        ttft_ms=times.ttft_ms,
+        tpot_ms=times.tpot_ms,
+        latency_ms=times.latency_ms,
+        steps=step_summary(run.stats),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyResult:
+    """What `run_latency` measured; the JSON keys of the module docstring."""
+
+    engine: EngineSummary
+    batch_size: int
+    input_len: int
+    output_len: int
+    num_iters: int
+    num_warmup: int
+    latency_s: Percentiles
+    iteration_latencies_s: list[float]
+    output_tok_per_s: float
+    ttft_ms: Percentiles | None
+    tpot_ms: Percentiles | None
+    steps: StepSummary
+
+
+def run_latency(
+    llm: LLM, batches: Sequence[Workload], sampling: SamplingOptions, engine: EngineSummary, num_warmup: int
+) -> LatencyResult:
+    """Generates each batch in turn; the first `num_warmup` are not timed. output_tok_per_s is the mean
+    iteration's: output tokens over the mean latency."""
+    if len(batches) <= num_warmup:
+        raise ValueError(f"got {len(batches)} batches for {num_warmup} warm-up iterations: none would be timed")
+    for batch in batches[:num_warmup]:
+        timed_generate(llm, batch, sampling)
+    runs = [timed_generate(llm, batch, sampling) for batch in batches[num_warmup:]]
+    latencies = [run.elapsed_s for run in runs]
+    times = request_times([o for run in runs for o in run.outputs])
+    first = batches[0]
+    summary = percentiles(latencies)
+    assert summary is not None  # at least one timed run
+    return LatencyResult(
+        engine=engine,
+        batch_size=first.num_requests,
+        input_len=len(first.prompts[0]),
+        output_len=first.output_lens[0],
+        num_iters=len(runs),
+        num_warmup=num_warmup,
+        latency_s=summary,
+        iteration_latencies_s=latencies,
+        output_tok_per_s=sum(run.output_tokens for run in runs) / sum(latencies),
+        ttft_ms=times.ttft_ms,
+        tpot_ms=times.tpot_ms,
+        steps=step_summary([s for run in runs for s in run.stats]),
+    )
+
+
+# ---- reports ------------------------------------------------------------------------------------
+
+
+def report(result: ThroughputResult | LatencyResult, as_json: bool = False) -> str:
+    """The human table, or one JSON object (`to_json`)."""
+    if as_json:
+        return to_json(result)
+    return format_throughput(result) if isinstance(result, ThroughputResult) else format_latency(result)
+
+
+def to_json(result: ThroughputResult | LatencyResult) -> str:
+    """One JSON object with the keys of the module docstring."""
+    kind = "throughput" if isinstance(result, ThroughputResult) else "latency"
+    return json.dumps({"benchmark": kind, **_rounded(dataclasses.asdict(result))})
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def format_throughput(result: ThroughputResult) -> str:
+    r = result
+    lines = [
+        *_engine_lines("throughput", r.engine, r.steps),
+        "",
+        f"requests            {r.num_requests}",
+        f"input tokens        {r.input_tokens} ({r.input_tokens / r.num_requests:.1f} per request)",
+        f"output tokens       {r.output_tokens} ({r.output_tokens / r.num_requests:.1f} per request)",
+        f"elapsed             {r.elapsed_s:.3f} s",
+        f"output throughput   {r.output_tok_per_s:.1f} tok/s",
+        f"total throughput    {r.total_tok_per_s:.1f} tok/s",
+        f"request throughput  {r.requests_per_s:.2f} req/s",
+        "",
+        *_percentile_table([("TTFT (ms)", r.ttft_ms), ("TPOT (ms)", r.tpot_ms), ("latency (ms)", r.latency_ms)]),
+        "",
+        *_step_lines(r.steps),
+    ]
+    return "\n".join(lines)
+
+
+def format_latency(result: LatencyResult) -> str:
+    r = result
+    lines = [
+        *_engine_lines("latency", r.engine, r.steps),
+        "",
+        f"batch               {r.batch_size} x {r.input_len} prompt tokens -> {r.output_len} output tokens",
+        f"iterations          {r.num_iters} timed after {r.num_warmup} warm-up",
+        f"output throughput   {r.output_tok_per_s:.1f} tok/s",
+        "",
+        *_percentile_table([("latency (s)", r.latency_s), ("TTFT (ms)", r.ttft_ms), ("TPOT (ms)", r.tpot_ms)]),
+        "",
+        *_step_lines(r.steps),
+    ]
+    return "\n".join(lines)
+
+
+def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
+    peak = "-" if steps.peak_kv_usage is None else f"{100 * steps.peak_kv_usage:.1f}%"
+    size = f"{e.kv_gib:.2f} GiB" if e.kv_gib >= 1 else f"{e.kv_gib * 1024:.2f} MiB"
+    return [
+        f"jaxserve bench {kind}: {e.model}",
+        f"engine              {e.backend} backend, {e.dtype}, tensor parallel {e.tensor_parallel_size}; "
+        f"max_batch_size {e.max_batch_size}, max_num_tokens {e.max_num_tokens}, max_seq_len {e.max_seq_len}",
+        f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
+        f"(compiling {e.compiled_steps} steps: {e.warmup_s:.2f} s)",
+        f"KV cache            {e.kv_blocks} blocks ({e.kv_tokens} tokens, {size}), peak usage {peak}",
+    ]
+
+
+def _percentile_table(rows: list[tuple[str, Percentiles | None]]) -> list[str]:
+    lines = [f"{'':20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    for name, p in rows:
+        cells = ["-"] * 4 if p is None else [_number(v) for v in (p.mean, p.p50, p.p90, p.p99)]
+        lines.append(f"{name:20}" + "".join(f"{c:>10}" for c in cells))
+    return lines
+
+
+def _step_lines(s: StepSummary) -> list[str]:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{_number(value)} ms"
+
+    return [
+        f"steps               {s.num_steps}, {s.num_preempted} preemptions",
+        f"host per step       {ms(s.mean_host_ms)} mean, of which dispatch {ms(s.mean_dispatch_ms)}",
+        f"decode step         {ms(s.decode_step_ms)} median",
+    ]
+
+
+def _number(value: float) -> str:
+    """Four significant digits or more: 0.1234, 12.35, 1234.6."""
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:.1f}"

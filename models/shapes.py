@@ -1,0 +1,78 @@
+"""Model shapes by name: the Hugging Face config.json of well-known models, for random-weight runs that need
+no checkpoint (`jaxserve bench --random-weights NAME`, the scripts in benchmarks/), and a tiny one for tests.
+
+A shape is a plain dict, what `models.registry.resolve` takes; `shape(name)` returns a copy of it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+LLAMA_3_1_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "eos_token_id": 128001,
+}
+
+SMOLLM2_135M: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+
+# Not a real model: 2 layers of width 64 over 160 token ids, so that a CPU test compiles and runs it in seconds.
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 160,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": LLAMA_3_1_8B,
+    "smollm2-135m": SMOLLM2_135M,
+    "tiny-llama": TINY_LLAMA,
+}
+
+
+def shape(name: str) -> dict[str, Any]:
+    """A copy of the named shape's config dict; a ValueError lists the names for an unknown one."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)}")
+    return copy.deepcopy(SHAPES[name])

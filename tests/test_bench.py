@@ -1,0 +1,397 @@
+"""`jaxserve bench throughput | latency`: the workloads (random prompts, dataset files and their errors), the
+metrics against hand-computed values, the reports and their JSON keys, the flags' errors, and one run of
+each benchmark on the tiny random-weight Llama (CPU timings mean nothing: only shapes and counts are
+checked)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve import bench, workload
+from jaxserve.cli import _validate_bench, build_parser, main
+from jaxserve.sampling import CompletionOutput, RequestMetrics, RequestOutput
+from models import registry, shapes
+
+VOCAB = shapes.TINY_LLAMA["vocab_size"]
+# Two decode and two prefill shapes: each engine of these tests compiles 4 steps.
+TINY_ENGINE = ["--random-weights", "tiny-llama", "--max-batch-size", "4", "--max-num-tokens", "32"]
+TINY_ENGINE += ["--decode-batch-sizes", "2,4", "--token-buckets", "16,32"]
+
+ENGINE_KEYS = {
+    "model",
+    "backend",
+    "dtype",
+    "tensor_parallel_size",
+    "max_batch_size",
+    "max_num_tokens",
+    "max_seq_len",
+    "kv_blocks",
+    "kv_tokens",
+    "kv_gib",
+    "load_s",
+    "init_s",
+    "warmup_s",
+    "compiled_steps",
+}
+STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
+PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
+COMMON_KEYS = {"benchmark", "engine", "output_tok_per_s", "ttft_ms", "tpot_ms", "steps"}
+THROUGHPUT_KEYS = COMMON_KEYS | {
+    "num_requests",
+    "input_tokens",
+    "output_tokens",
+    "elapsed_s",
+    "total_tok_per_s",
+    "requests_per_s",
+    "latency_ms",
+}
+LATENCY_KEYS = COMMON_KEYS | {
+    "batch_size",
+    "input_len",
+    "output_len",
+    "num_iters",
+    "num_warmup",
+    "latency_s",
+    "iteration_latencies_s",
+}
+
+
+# ---- shapes and workloads -----------------------------------------------------------------------
+
+
+def test_every_shape_resolves_and_shape_returns_a_copy():
+    for name in shapes.SHAPES:
+        _, cfg = registry.resolve(shapes.shape(name))
+        assert cfg.vocab_size == shapes.SHAPES[name]["vocab_size"]
+    tiny = shapes.shape("tiny-llama")
+    tiny["vocab_size"] = 1
+    assert shapes.shape("tiny-llama")["vocab_size"] == VOCAB
+    with pytest.raises(ValueError, match="unknown model shape 'nope'; known shapes: llama-3.1-8b, smollm2-135m"):
+        shapes.shape("nope")
+
+
+def test_building_workloads_and_parsing_flags_load_no_jax():
+    code = "import sys, jaxserve.workload, jaxserve.bench, jaxserve.cli; assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_random_workload_has_the_lengths_and_is_fixed_by_the_seed():
+    load = workload.random_workload(5, 7, 3, VOCAB, seed=1)
+    assert load.num_requests == 5 and [len(p) for p in load.prompts] == [7] * 5 and load.output_lens == [3] * 5
+    assert load.input_tokens == 35 and load.max_seq_len == 10
+    ids = np.array(load.prompts)
+    assert ids.min() >= 100 and ids.max() < VOCAB  # clear of the low ids
+    assert workload.random_workload(5, 7, 3, VOCAB, seed=1) == load
+    assert workload.random_workload(5, 7, 3, VOCAB, seed=2).prompts != load.prompts
+    # The draw of benchmarks/engine.py, so that both give the same prompts for a seed.
+    rng = np.random.default_rng(1)
+    assert load.prompts == [rng.integers(100, VOCAB, 7).tolist() for _ in range(5)]
+
+
+def test_the_warmup_and_latency_batches_have_prompts_of_their_own():
+    load = workload.Workload([[101] * 3, [102] * 9] + [[103] * 2] * 10, [1, 50] + [6] * 10)
+    warmup = workload.warmup_workload(load, VOCAB, seed=0)
+    assert warmup.num_requests == workload.WARMUP_REQUESTS
+    assert [len(p) for p in warmup.prompts] == [len(p) for p in load.prompts[:8]]
+    assert warmup.output_lens == [1, 4, 4, 4, 4, 4, 4, 4]
+    batches = workload.latency_batches(2, 5, 3, VOCAB, seed=0, count=3)
+    assert [b.num_requests for b in batches] == [2, 2, 2] and all(b.output_lens == [3, 3] for b in batches)
+    prompts = [tuple(p) for b in batches for p in b.prompts]
+    assert len(set(prompts)) == 6
+
+
+def test_sampling_options_make_exact_length_requests():
+    greedy = workload.SamplingOptions().params([3, 5])
+    assert [p.max_tokens for p in greedy] == [3, 5]
+    assert all(p.ignore_eos and p.is_greedy and p.seed is None for p in greedy)
+    seeded = workload.SamplingOptions(temperature=0.7, top_p=0.9, top_k=5, seed=10).params([2, 2, 2])
+    assert [p.seed for p in seeded] == [10, 11, 12]
+    assert all(p.temperature == 0.7 and p.top_p == 0.9 and p.top_k == 5 for p in seeded)
+
+
+def test_engine_max_seq_len_is_the_longest_request_unless_given():
+    assert workload.engine_max_seq_len(12, None, 256) == 12
+    assert workload.engine_max_seq_len(12, 64, 256) == 64
+    with pytest.raises(ValueError, match="--max-seq-len 10 is shorter than the longest request"):
+        workload.engine_max_seq_len(12, 10, 256)
+    with pytest.raises(ValueError, match="needs 300 tokens .* the model allows 256"):
+        workload.engine_max_seq_len(300, None, 256)
+
+
+# ---- dataset files ------------------------------------------------------------------------------
+
+
+class _CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % VOCAB for c in text]
+
+
+def test_a_dataset_gives_text_and_token_prompts_with_their_lengths(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    lines = [
+        json.dumps({"prompt": "abc", "output_len": 5, "task_id": 7}),
+        "",
+        json.dumps({"prompt_token_ids": [1, 2, 3, 4]}),
+        json.dumps({"prompt_token_ids": [9], "max_tokens": 2}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    entries = workload.read_dataset(path)
+    assert [e.where for e in entries] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    load = workload.dataset_workload(entries, _CharTokenizer(), VOCAB, output_len=7)
+    assert load.prompts == [[97 % VOCAB, 98 % VOCAB, 99 % VOCAB], [1, 2, 3, 4], [9]]
+    assert load.output_lens == [5, 7, 2]
+    assert [e.where for e in workload.read_dataset(path, num_requests=2)] == [f"{path}:1", f"{path}:3"]
+    with pytest.raises(ValueError, match=r"--num-requests 4 is more than the 3 requests in .*requests.jsonl"):
+        workload.read_dataset(path, num_requests=4)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"prompt": "a", "prompt_token_ids": [1]}', 'exactly one of "prompt"'),
+        ('{"output_len": 3}', 'exactly one of "prompt"'),
+        ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+        ('{"prompt": 5}', '"prompt" must be a non-empty string'),
+        ('{"prompt_token_ids": []}', '"prompt_token_ids" must be a non-empty list of ints >= 0'),
+        ('{"prompt_token_ids": [1, -2]}', '"prompt_token_ids" must be a non-empty list of ints >= 0'),
+        ('{"prompt_token_ids": [1, true]}', '"prompt_token_ids" must be a non-empty list of ints >= 0'),
+        ('{"prompt_token_ids": "12"}', '"prompt_token_ids" must be a non-empty list of ints >= 0'),
+        ('{"prompt": "a", "output_len": 0}', '"output_len" must be an int >= 1, got 0'),
+        ('{"prompt": "a", "max_tokens": 2.5}', '"max_tokens" must be an int >= 1, got 2.5'),
+        ('{"prompt": "a", "output_len": 2, "max_tokens": 2}', 'one of "output_len" and "max_tokens"'),
+    ],
+)
+def test_a_malformed_dataset_line_names_the_file_and_the_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt_token_ids": [1]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"{path}:2: .*") as error:
+        workload.read_dataset(path)
+    assert message in str(error.value)
+
+
+def test_unreadable_datasets_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="dataset file .*missing.jsonl does not exist"):
+        workload.read_dataset(tmp_path / "missing.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="empty.jsonl: no requests"):
+        workload.read_dataset(empty)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"prompt": "a"}\n\xff\xfe\n')
+    with pytest.raises(ValueError, match="binary.jsonl: not UTF-8 text"):
+        workload.read_dataset(binary)
+
+
+def test_dataset_prompts_outside_the_vocabulary_or_without_a_tokenizer_name_the_line(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3, 170]}\n')
+    with pytest.raises(ValueError, match=rf"{path}:2: token ids \[170\] are outside the vocabulary \[0, 159\]"):
+        workload.dataset_workload(workload.read_dataset(path), None, VOCAB, 4)
+    path.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(ValueError, match=f"{path}:1: a text prompt needs a tokenizer"):
+        workload.dataset_workload(workload.read_dataset(path), bench.TokenIdTokenizer(), VOCAB, 4)
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+def test_percentiles_interpolate_between_samples():
+    p = bench.percentiles([4.0, 1.0, 3.0, 2.0])
+    assert (p.mean, p.p50, p.p90, p.p99) == pytest.approx((2.5, 2.5, 3.7, 3.97))
+    ms = bench.percentiles([0.001, 0.003], scale=1e3)
+    assert (ms.mean, ms.p50, ms.p90, ms.p99) == pytest.approx((2.0, 2.0, 2.8, 2.98))
+    assert bench.percentiles([]) is None
+
+
+def _output(arrival: float, first: float | None, finished: float | None, num_tokens: int) -> RequestOutput:
+    metrics = RequestMetrics(arrival_time=arrival, first_token_time=first, finished_time=finished)
+    completion = CompletionOutput(0, "", list(range(num_tokens)), finish_reason="length")
+    return RequestOutput("0", None, [1, 2], [completion], True, metrics)
+
+
+def test_tpot_is_the_time_after_the_first_token_over_the_tokens_after_it():
+    assert bench.time_per_output_token(RequestMetrics(10.0, None, 10.5, 12.5), 5) == pytest.approx(0.5)
+    assert bench.time_per_output_token(RequestMetrics(10.0, None, 10.5, 10.5), 1) is None
+    times = bench.request_times([_output(0.0, 0.1, 0.5, 5), _output(0.0, 0.3, 0.3, 1), _output(1.0, 1.2, 2.2, 3)])
+    assert times.ttft_ms.mean == pytest.approx(200.0) and times.ttft_ms.p50 == pytest.approx(200.0)
+    assert times.tpot_ms.mean == pytest.approx((100.0 + 500.0) / 2)  # the one-token request has no TPOT
+    assert times.latency_ms.p50 == pytest.approx(500.0) and times.latency_ms.mean == pytest.approx(1000.0 / 3 * 2)
+
+
+def _stats(launched_at: float, prefill_rows: int, kv_usage: float = 0.5, preempted: int = 0):
+    from jaxserve.engine import StepStats
+
+    return StepStats(
+        num_tokens=4,
+        num_seqs=2,
+        num_prefill_rows=prefill_rows,
+        bucket_tokens=4,
+        bucket_seqs=2,
+        kv_usage=kv_usage,
+        num_preempted=preempted,
+        prefix_hit_rate=0.0,
+        host_seconds=0.002,
+        dispatch_seconds=0.001,
+        launched_at=launched_at,
+    )
+
+
+def test_the_step_summary_takes_the_median_gap_between_decode_steps():
+    stats = [_stats(0.0, 2), _stats(1.0, 0), _stats(1.01, 0), _stats(1.05, 1, 0.75, 1), _stats(2.0, 0)]
+    stats += [_stats(2.02, 0, 0.25), _stats(2.05, 0)]
+    # Decode pairs: 1.0 -> 1.01 (10 ms), 2.0 -> 2.02 (20 ms), 2.02 -> 2.05 (30 ms).
+    assert bench.decode_step_ms(stats) == pytest.approx(20.0)
+    summary = bench.step_summary(stats)
+    assert summary.num_steps == 7 and summary.num_preempted == 1 and summary.peak_kv_usage == 0.75
+    assert summary.mean_host_ms == pytest.approx(2.0) and summary.mean_dispatch_ms == pytest.approx(1.0)
+    assert bench.decode_step_ms([_stats(0.0, 1), _stats(1.0, 0)]) is None
+    empty = bench.step_summary([])
+    assert empty.num_steps == 0 and empty.mean_host_ms is None and empty.peak_kv_usage is None
+
+
+# ---- reports ------------------------------------------------------------------------------------
+
+
+def _engine() -> bench.EngineSummary:
+    return bench.EngineSummary("tiny", "xla", "float32", 1, 4, 32, 12, 5, 64, 0.0001, 1.0, 2.0, 1.5, 4)
+
+
+def _percentiles(scale: float) -> bench.Percentiles:
+    return bench.Percentiles(1.0 * scale, 2.0 * scale, 3.0 * scale, 4.0 * scale)
+
+
+def test_the_throughput_report_and_its_json_keys():
+    steps = bench.StepSummary(10, 0.5, 0.25, 1.25, 0.5, 0)
+    p = _percentiles(1.0)
+    result = bench.ThroughputResult(_engine(), 6, 48, 24, 0.5, 48.0, 144.0, 12.0, p, None, p, steps)
+    table = bench.report(result)
+    for line in ["requests            6", "output tokens       24 (4.0 per request)", "elapsed             0.500 s"]:
+        assert line in table
+    assert "output throughput   48.0 tok/s" in table and "request throughput  12.00 req/s" in table
+    assert "peak usage 50.0%" in table and "(compiling 4 steps: 1.50 s)" in table
+    tpot_row = next(line for line in table.splitlines() if line.startswith("TPOT (ms)"))
+    assert tpot_row.split() == ["TPOT", "(ms)", "-", "-", "-", "-"]
+    record = json.loads(bench.report(result, as_json=True))
+    assert set(record) == THROUGHPUT_KEYS and record["benchmark"] == "throughput"
+    assert set(record["engine"]) == ENGINE_KEYS and set(record["steps"]) == STEP_KEYS
+    assert set(record["ttft_ms"]) == PERCENTILE_KEYS and record["tpot_ms"] is None
+
+
+def test_the_latency_report_and_its_json_keys():
+    steps = bench.StepSummary(12, 0.5, 0.25, None, 1.0, 0)
+    latencies = [0.123456789, 0.2, 0.3]
+    result = bench.LatencyResult(_engine(), 1, 8, 4, 3, 1, _percentiles(0.1), latencies, 20.0, None, None, steps)
+    table = bench.report(result)
+    assert "batch               1 x 8 prompt tokens -> 4 output tokens" in table
+    assert "iterations          3 timed after 1 warm-up" in table and "decode step         - median" in table
+    record = json.loads(bench.to_json(result))
+    assert set(record) == LATENCY_KEYS and record["benchmark"] == "latency"
+    assert record["iteration_latencies_s"] == [0.123457, 0.2, 0.3]  # 6 significant digits
+    assert set(record["latency_s"]) == PERCENTILE_KEYS and set(record["engine"]) == ENGINE_KEYS
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["throughput", "--num-requests", "0"], "argument --num-requests: must be an int >= 1, got 0"),
+        (["throughput", "--input-len", "x"], "argument --input-len: must be an int >= 1, got 'x'"),
+        (["throughput", "--temperature", "-1"], "argument --temperature: must be a number >= 0, got -1"),
+        (["throughput", "--top-p", "0"], "argument --top-p: must be a number in (0, 1], got 0"),
+        (["throughput", "--top-p", "nan"], "argument --top-p: must be a number in (0, 1], got nan"),
+        (["throughput", "--top-k", "-2"], "argument --top-k: must be an int >= -1, got -2"),
+        (["throughput", "--random-weights", "llama-9b"], "argument --random-weights: invalid choice: 'llama-9b'"),
+        (["throughput", "--model", "m", "--random-weights", "tiny-llama"], "not allowed with argument --model"),
+        (["throughput", "--dataset", "d.jsonl", "--input-len", "8"], "--input-len does not apply with --dataset"),
+        (["throughput", "--decode-batch-sizes", "2,x"], "argument --decode-batch-sizes: must be comma-separated"),
+        (["throughput", "--token-buckets", "0"], "argument --token-buckets: must be comma-separated ints >= 1"),
+        (["throughput", "--kv-cache-free-memory-fraction", "1.5"], "must be a number in (0, 1], got 1.5"),
+        (["throughput", "--max-seq-len", "1"], "argument --max-seq-len: must be an int >= 2, got 1"),
+        (["latency", "--num-warmup", "-1"], "argument --num-warmup: must be an int >= 0, got -1"),
+        (["latency", "--num-iters", "0"], "argument --num-iters: must be an int >= 1, got 0"),
+        (["latency", "--dataset", "d.jsonl"], "unrecognized arguments: --dataset"),
+        ([], "the following arguments are required: benchmark"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_readme_commands_parse():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Benchmarking", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("jaxserve bench")]
+    assert len(commands) == 3
+    for command in commands:
+        _validate_bench(build_parser().parse_args(shlex.split(command)[1:]))
+
+
+def test_a_bad_dataset_is_an_error_before_the_model_loads(tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    assert main(["bench", "throughput", "--dataset", str(missing), "--model", str(tmp_path / "no_model")]) == 1
+    assert f"jaxserve: error: dataset file {missing} does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [1]}\n{"prompt_token_ids": [1],}\n')
+    assert main(["bench", "throughput", "--dataset", str(bad), "--random-weights", "tiny-llama"]) == 1
+    assert f"jaxserve: error: {bad}:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_max_seq_len_shorter_than_the_workload_is_an_error(capsys):
+    args = ["bench", "latency", "--random-weights", "tiny-llama", "--input-len", "8", "--output-len", "4"]
+    assert main([*args, "--max-seq-len", "11"]) == 1
+    assert "--max-seq-len 11 is shorter than the longest request (12 tokens)" in capsys.readouterr().err
+
+
+def test_throughput_end_to_end_on_random_weights(capsys):
+    args = ["bench", "throughput", *TINY_ENGINE, "--num-requests", "6", "--input-len", "8", "--output-len", "4"]
+    assert main([*args, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert set(record) == THROUGHPUT_KEYS and set(record["engine"]) == ENGINE_KEYS
+    assert (record["num_requests"], record["input_tokens"], record["output_tokens"]) == (6, 48, 24)
+    engine = record["engine"]
+    assert engine["model"] == "tiny-llama (random weights)" and engine["backend"] == "xla"
+    assert (engine["max_batch_size"], engine["max_num_tokens"], engine["max_seq_len"]) == (4, 32, 12)
+    assert engine["compiled_steps"] == 4 and engine["kv_tokens"] >= 4 * 12
+    steps = record["steps"]
+    # 6 requests over 4 rows: at least two prefill steps and 3 decode steps for the tokens after the first.
+    assert steps["num_steps"] >= 5 and steps["decode_step_ms"] is not None and 0 < steps["peak_kv_usage"] <= 1
+    assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_ms"]) == PERCENTILE_KEYS
+
+
+def test_throughput_of_a_dataset_prints_the_table(tmp_path, capsys):
+    path = tmp_path / "requests.jsonl"
+    lines = [{"prompt_token_ids": [5] * n, "output_len": k} for n, k in ((3, 2), (9, 3), (6, 1))]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["bench", "throughput", *TINY_ENGINE, "--dataset", str(path), "--seed-per-request"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("jaxserve bench throughput: tiny-llama (random weights)\n")
+    assert "requests            3\n" in table and "input tokens        18 (6.0 per request)" in table
+    assert "output tokens       6 (2.0 per request)" in table and "max_seq_len 12" in table
+
+
+def test_latency_end_to_end_on_random_weights(capsys):
+    args = ["bench", "latency", "--random-weights", "tiny-llama", "--input-len", "8", "--output-len", "4"]
+    args += ["--num-iters", "3", "--decode-batch-sizes", "1", "--token-buckets", "8", "--json"]
+    assert main(args) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert set(record) == LATENCY_KEYS and record["engine"]["max_batch_size"] == 1
+    assert (record["batch_size"], record["input_len"], record["output_len"]) == (1, 8, 4)
+    assert (record["num_iters"], record["num_warmup"], len(record["iteration_latencies_s"])) == (3, 1, 3)
+    assert record["engine"]["compiled_steps"] == 3  # decode 1, prefill 8, and max_num_tokens = 12
+    # Each iteration: one prefill step, then a decode step for each of the 3 tokens after the first.
+    assert record["steps"]["num_steps"] >= 3 * 4
+    assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_s"]) == PERCENTILE_KEYS
