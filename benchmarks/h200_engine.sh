@@ -5,7 +5,9 @@
 #   bash benchmarks/h200_engine.sh dispatch  # which ops make the step call block the host (dispatch_sync.py)
 #   bash benchmarks/h200_engine.sh greedy    # 8B-shaped: general steps against greedy variants (no conditionals)
 #   bash benchmarks/h200_engine.sh tp2       # 8B-shaped on two GPUs: Pallas kernels under shard_map, and xla
-# Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log.
+#   bash benchmarks/h200_engine.sh profile   # 8B-shaped decode step, kernel by kernel against its floors (step_profile.py)
+# Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log; `profile` writes
+# $OUT/profile_<name>.{txt,csv,json,log} per run and its traces under $TRACES (default /tmp/step_profile_traces).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD JAXSERVE_CACHE=${JAXSERVE_CACHE:-$HOME/.cache/jaxserve}
@@ -14,6 +16,13 @@ run() {  # run NAME TIMEOUT ARGS...: one benchmark process, its JSON line to res
   echo "== $name: python benchmarks/engine.py $*"
   timeout "$limit" python3 benchmarks/engine.py "$@" 2>"$OUT/$name.log" | tee -a "$OUT/results.jsonl"
   grep -E "jaxserve.(capacity|runner: warmup)|Error|error" "$OUT/$name.log" | cut -c1-220 | tail -n 14
+}
+profile_run() {  # profile_run NAME TIMEOUT ARGS...: one step_profile.py process, its table kept
+  local name=$1 limit=$2; shift 2
+  echo "== $name: python benchmarks/step_profile.py $*"
+  timeout "$limit" python3 benchmarks/step_profile.py "$@" --out "$OUT/profile_$name.csv" \
+    --trace-dir "${TRACES:-/tmp/step_profile_traces}/$name" 2>"$OUT/profile_$name.log" | tee "$OUT/profile_$name.txt"
+  grep -E "Error|error" "$OUT/profile_$name.log" | cut -c1-220 | tail -n 14
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -46,5 +55,10 @@ case "${1:-}" in
     echo "== python benchmarks/dispatch_sync.py"
     timeout 300 python3 benchmarks/dispatch_sync.py | tee "$OUT/dispatch_sync.txt"
     ;;
-  *) echo "usage: $0 llama8b|smollm2|dispatch|greedy|tp2" >&2; exit 2 ;;
+  profile)
+    P=(--shape llama8b --backend pallas --max-seq-len 2048 --unroll)
+    profile_run b1_c128 200 "${P[@]}" --batch 1 --context 128
+    profile_run b256_c192 280 "${P[@]}" --batch 256 --context 192 --variant general,greedy
+    ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch|greedy|tp2|profile" >&2; exit 2 ;;
 esac
