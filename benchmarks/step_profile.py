@@ -61,7 +61,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import LLAMA_8B, SMOLLM2_SHAPE
+from common import LLAMA_3_1_8B, SMOLLM2_135M
 
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.inputs import Bucket, StepConfig, StepInputs, StepVariant, make_step_inputs
@@ -73,9 +73,9 @@ from models import registry
 from models.common import ParamSpec
 
 SHAPES = {
-    "llama8b": LLAMA_8B,
-    "smollm2": SMOLLM2_SHAPE,
-    "tiny": {**SMOLLM2_SHAPE, "num_hidden_layers": 2, "vocab_size": 4096},  # CPU checks of this script
+    "llama8b": LLAMA_3_1_8B,
+    "smollm2": SMOLLM2_135M,
+    "tiny": {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096},  # CPU checks of this script
 }
 VARIANTS = {"general": StepVariant(), "greedy": StepVariant(greedy=True)}
 # First match wins, over the kernel name and its hlo_op: the Pallas kernels by their pallas_call names,
