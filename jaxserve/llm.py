@@ -276,9 +276,10 @@ def _check_arguments(
         raise ValueError("model must name a model: got an empty string")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    for name, value in (("max_batch_size", max_batch_size), ("tensor_parallel_size", tensor_parallel_size)):
-        if value is None and name == "max_batch_size":
-            continue
+    sizes = {"max_batch_size": max_batch_size, "tensor_parallel_size": tensor_parallel_size}
+    if max_batch_size is None:  # the platform's default
+        del sizes["max_batch_size"]
+    for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
         if value < 1:

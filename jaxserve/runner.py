@@ -173,8 +173,7 @@ class Runner:
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0
         self._seed, self._recoveries = seed, 0
-        self._key = jax.device_put(jax.random.PRNGKey(seed), self._replicated)
-        self._previous = jax.device_put(np.zeros(spec.steps.buckets.max_batch_size, np.int32), self._replicated)
+        self._reset_step_state(jax.random.PRNGKey(seed))
         self._compiled: dict[tuple[Bucket, StepVariant], jax.stages.Compiled] = {}
 
     @property
@@ -297,14 +296,17 @@ class Runner:
         self._previous, self._key = out.token_ids, out.key
         return out
 
+    def _reset_step_state(self, key: Array) -> None:
+        """The device state one step hands the next: its sampled tokens (zeros: none) and the PRNG key."""
+        self._key = jax.device_put(key, self._replicated)
+        self._previous = jax.device_put(np.zeros(self.spec.steps.buckets.max_batch_size, np.int32), self._replicated)
+
     def recover(self) -> None:
         """Usable again after a step failed or was interrupted: the device state a failed call may have
         consumed or poisoned (the previous step's tokens, the PRNG key, the donated KV pool) is replaced.
         The pool's contents are not kept; the engine recomputes every request."""
         self._recoveries += 1
-        self._previous = jax.device_put(np.zeros(self.spec.steps.buckets.max_batch_size, np.int32), self._replicated)
-        key = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._recoveries)
-        self._key = jax.device_put(key, self._replicated)
+        self._reset_step_state(jax.random.fold_in(jax.random.PRNGKey(self._seed), self._recoveries))
         if self.kv_cache is None:
             return
         try:
