@@ -309,9 +309,7 @@ class Runner:
         self._reset_step_state(jax.random.fold_in(jax.random.PRNGKey(self._seed), self._recoveries))
         if self.kv_cache is None:
             return
-        try:
-            if self.kv_cache.k.is_deleted() or self.kv_cache.v.is_deleted():
-                raise RuntimeError("the KV pool was donated to a call that did not return it")
+        try:  # raises for a pool donated to a call that did not return it, or computed by a failed one
             jax.block_until_ready(self.kv_cache)
         except Exception:
             logger.warning("reallocating the KV pool after a failed step", exc_info=True)

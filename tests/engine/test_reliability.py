@@ -272,3 +272,51 @@ def test_a_real_sigint_during_generate(llm, alone, idle_after, long_generate_sec
     else:
         pytest.fail(f"no generate was interrupted ({long_generate_seconds:.3f} s uninterrupted)")
     assert llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)[1].outputs[0].token_ids == alone[3]
+
+
+def test_an_abort_from_inside_a_step_waits_for_the_next_step(llm, alone, idle_after, monkeypatch):
+    """A stream's finaliser may run while the engine is mid-step (garbage collection): its abort must not
+    change the scheduler under the step's feet, and takes effect at the next step."""
+    from jaxserve.block_manager import BlockManager
+
+    engine = llm.engine
+    victim = engine.add_request(PROMPTS[6], GREEDY)
+    other = engine.add_request(PROMPTS[7], GREEDY)
+    seen = {}
+    original = BlockManager.append_slots
+
+    def append_slots(self, request, num_tokens):
+        if not seen:
+            engine.abort(victim)  # as from a finaliser, inside schedule()
+            samples = [r for r in engine.scheduler.running + list(engine.scheduler.waiting) if r.request_id == victim]
+            seen["unfinished"] = bool(samples) and not any(r.is_finished for r in samples)
+        return original(self, request, num_tokens)
+
+    monkeypatch.setattr(BlockManager, "append_slots", append_slots)
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step()})
+    assert seen["unfinished"], "the abort changed the scheduler inside the step"
+    assert finals[victim].outputs[0].finish_reason == "abort"
+    assert finals[other].outputs[0].token_ids == alone[7]
+
+
+def test_a_step_that_consumed_the_donated_pool_and_failed_leaves_a_working_engine(llm, alone, idle_after, monkeypatch):
+    """A compiled call that took the KV pool (donated) and raised: recovery allocates a new pool."""
+    original = Runner.run
+    calls = {"n": 0}
+
+    def run(self, inputs, bucket, variant):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            self.kv_cache.k.delete()
+            self.kv_cache.v.delete()
+            raise RuntimeError("the device failed inside the step")
+        return original(self, inputs, bucket, variant)
+
+    monkeypatch.setattr(Runner, "run", run)
+    with pytest.raises(RuntimeError, match="inside the step"):
+        llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.runner.kv_cache.k.is_deleted()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)] == alone[:3]
