@@ -153,6 +153,11 @@ def test_submissions_from_other_threads(llm, alone, idle_after):
     for t in threads:
         t.join()
     bad = engine.submit([VOCAB + 5], GREEDY)
+    doomed = engine.submit(PROMPTS[7], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    engine.step()  # the submissions are applied at the start of a step
+    aborter = threading.Thread(target=engine.submit_abort, args=(doomed.result(),))
+    aborter.start()
+    aborter.join()
     finals = {}
     while engine.has_unfinished():
         for output in engine.step():
@@ -161,6 +166,8 @@ def test_submissions_from_other_threads(llm, alone, idle_after):
     assert isinstance(bad.exception(), ValueError) and "token ids" in str(bad.exception())
     for i, future in futures.items():
         assert finals[future.result()].outputs[0].token_ids == alone[i]
+    aborted = finals[doomed.result()].outputs[0]
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 100
 
 
 def test_min_tokens_holds_stop_strings_back(llm, alone, idle_after):
