@@ -86,8 +86,11 @@ def generate_dense(
     top_p: float = 1.0,
     seed: int = 0,
 ) -> list[list[int]]:
-    """The new tokens of each prompt: max_new_tokens of them, or fewer ending with an EOS token."""
+    """The new tokens of each prompt: max_new_tokens of them, or fewer ending with an EOS token.
+
+    `weights` in the checkpoint layout (what loaders and `init_weights` return)."""
     _validate(prompts, max_new_tokens, temperature, top_p)
+    weights = family.to_serving(weights, cfg)
     sampling = (np.float32(temperature), np.float32(top_p))
     step = partial(_step, family=family, cfg=cfg)
     lengths = np.array([len(p) for p in prompts], dtype=np.int32)

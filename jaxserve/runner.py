@@ -3,7 +3,7 @@
 not awaited).
 
 Lifecycle (DESIGN.md "Runner lifecycle and KV capacity"):
-    runner = Runner(spec, weights, mesh)       # places the weights through sharding/rules.py
+    runner = Runner(spec, weights, mesh)       # the serving layout of the weights, placed by sharding/rules.py
     profile = runner.profile()                  # the largest step compiled and run over a probe pool
     budget = capacity.kv_budget(profile, config)
     runner.start(budget.num_blocks)             # allocates the pool, compiles every (bucket, variant)
@@ -169,7 +169,9 @@ class Runner:
         self.mesh = mesh if mesh is not None else make_mesh(tp=1, devices=jax.devices()[:1])
         _check_heads_divide(spec, self.mesh.shape[MODEL_AXIS])
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.weights = place_weights(weights, spec.family.param_specs(spec.cfg), self.mesh, spec.dtype)
+        # The checkpoint layout in, the family's serving layout on the mesh, split by the rules table.
+        shardings = named_shardings(spec.family.serving_specs(spec.cfg), self.mesh)
+        self.weights = spec.family.to_serving(weights, spec.cfg, shardings, spec.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0
         self._seed, self._recoveries = seed, 0
@@ -315,17 +317,6 @@ class Runner:
             logger.warning("reallocating the KV pool after a failed step", exc_info=True)
             self.kv_cache = None  # frees the old buffers before the new ones are taken
             self.kv_cache = self._zero_cache(self.num_blocks)
-
-
-def place_weights(weights: Any, specs: Any, mesh: Mesh, dtype: jnp.dtype) -> Any:
-    """The weights on the mesh, split by the rules table, floating-point leaves cast to `dtype`."""
-
-    def place(weight: Any, sharding: NamedSharding) -> Any:
-        if jnp.issubdtype(weight.dtype, jnp.floating) and weight.dtype != dtype:
-            return jax.jit(lambda w: w.astype(dtype), out_shardings=sharding)(weight)
-        return jax.device_put(weight, sharding)
-
-    return jax.tree.map(place, weights, named_shardings(specs, mesh))
 
 
 def _check_heads_divide(spec: RunnerSpec, tp: int) -> None:

@@ -5,14 +5,27 @@ RMSNorm of q and k over the head dim, before rope) and `sliding_window` (Mistral
 the weights dataclasses, their parameter specs, the Hugging Face checkpoint names, random init and
 the forward pass; shared blocks come from `models/common.py`, attention from `models/attention.py`.
 
-Einsum letters: t tokens, d model dim (D), h query heads (H), k kv heads (K), e head dim (Dh),
-f MLP hidden (F), v vocab (V).
+Two weight layouts:
+- `LlamaWeights` is the checkpoint layout: one field per Hugging Face tensor kind, stacked on a
+  leading L axis. Loaders, `init_weights` and users' parameter trees speak it.
+- `ServingWeights` is what `forward` reads: one `ServingLayer` per decoder layer, each its own
+  buffers, with q/k/v fused into one matrix and gate/up into another (`to_serving` converts).
+  Slicing a layer out of stacked arrays inside the step copies its weights every step (a scan over
+  stacked layers spent 6-7 ms of an 8B decode step in those copies), and one wide GEMM per fused
+  projection launches less and streams better than three or two narrow ones (docs/benchmarks.md,
+  "Layer layouts").
+
+Einsum letters: t tokens, d model dim (D), h query heads (H), k kv heads (K), g query heads per kv
+head (G = H / K) plus its key and value (G + 2), e head dim (Dh), f MLP hidden (F), c the gate/up pair,
+v vocab (V).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +40,7 @@ from models.common import (
     apply_rope,
     check_config_keys,
     gated_mlp,
+    place,
     rms_norm,
     rope_frequencies,
 )
@@ -181,7 +195,7 @@ def _sliding_window(hf: dict, model_type: str) -> int | None:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """Every decoder layer's weights, stacked on a leading L axis (scanned with lax.scan)."""
+    """Every decoder layer's weights in the checkpoint layout, stacked on a leading L axis."""
 
     attn_norm: Float[Array, "L D"]
     wq: Float[Array, "L D H Dh"]
@@ -202,10 +216,39 @@ class LayerWeights:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
 class LlamaWeights:
-    """The whole model; lm_head None means tied to embed."""
+    """The whole model in the checkpoint layout; lm_head None means tied to embed."""
 
     embed: Float[Array, "V D"]
     layers: LayerWeights
+    final_norm: Float[Array, " D"]
+    lm_head: Float[Array, "D V"] | None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class ServingLayer:
+    """One decoder layer as `forward` reads it. wqkv groups by kv head: for each of the K kv heads its
+    G query heads, then its key, then its value, so splitting K over devices gives each device whole
+    groups (query head k * G + g reads kv head k, as in Hugging Face's repeat_kv)."""
+
+    attn_norm: Float[Array, " D"]
+    wqkv: Float[Array, "D K G+2 Dh"]
+    bqkv: Float[Array, "K G+2 Dh"] | None
+    q_norm: Float[Array, " Dh"] | None
+    k_norm: Float[Array, " Dh"] | None
+    wo: Float[Array, "H Dh D"]
+    mlp_norm: Float[Array, " D"]
+    w_gate_up: Float[Array, "D 2 F"]
+    w_down: Float[Array, "F D"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class ServingWeights:
+    """The whole model in the serving layout; lm_head None means tied to embed."""
+
+    embed: Float[Array, "V D"]
+    layers: tuple[ServingLayer, ...]
     final_norm: Float[Array, " D"]
     lm_head: Float[Array, "D V"] | None
 
@@ -236,6 +279,83 @@ def param_specs(cfg: LlamaConfig) -> LlamaWeights:
         layers=layers,
         final_norm=ParamSpec((d,), ("embed",)),
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")),
+    )
+
+
+def serving_specs(cfg: LlamaConfig) -> ServingWeights:
+    """The serving layout with a ParamSpec at every leaf (the sharding rules split kv_heads, mlp, vocab)."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    groups = h // k + 2
+    qk_norm = ParamSpec((dh,), ("head_dim",)) if cfg.qk_norm else None
+    layer = ServingLayer(
+        attn_norm=ParamSpec((d,), ("embed",)),
+        wqkv=ParamSpec((d, k, groups, dh), ("embed", "kv_heads", None, "head_dim")),
+        bqkv=ParamSpec((k, groups, dh), ("kv_heads", None, "head_dim")) if cfg.attention_bias else None,
+        q_norm=qk_norm,
+        k_norm=qk_norm,
+        wo=ParamSpec((h, dh, d), ("heads", "head_dim", "embed")),
+        mlp_norm=ParamSpec((d,), ("embed",)),
+        w_gate_up=ParamSpec((d, 2, f), ("embed", None, "mlp")),
+        w_down=ParamSpec((f, d), ("mlp", "embed")),
+    )
+    return ServingWeights(
+        embed=ParamSpec((v, d), ("vocab", "embed")),
+        layers=(layer,) * cfg.num_layers,
+        final_norm=ParamSpec((d,), ("embed",)),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")),
+    )
+
+
+def to_serving(
+    weights: LlamaWeights, cfg: LlamaConfig, shardings: ServingWeights | None = None, dtype: Any = None
+) -> ServingWeights:
+    """The serving layout of checkpoint-layout weights (numpy or jax arrays), placed with `shardings`
+    (a tree of NamedSharding, or None for the default device) and cast to `dtype` (None: as they are).
+
+    One layer at a time: host weights cross to the device layer by layer, and the device holds the
+    serving copy plus one layer of the source at most (besides the source itself when it is on the
+    device)."""
+    fuse = _layer_fuser(
+        cfg, None if dtype is None else jnp.dtype(dtype), None if shardings is None else shardings.layers[0]
+    )
+    layers = tuple(fuse(jax.tree.map(lambda w, i=i: w[i], weights.layers)) for i in range(cfg.num_layers))
+
+    def top(name: str) -> Any:
+        value = getattr(weights, name)
+        return None if value is None else place(value, getattr(shardings, name, None), dtype)
+
+    return ServingWeights(top("embed"), layers, top("final_norm"), top("lm_head"))
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_fuser(cfg: LlamaConfig, dtype: Any, shardings: ServingLayer | None) -> Any:
+    """`_serving_layer` jitted once per (config, dtype, shardings): every layer and every later model of the
+    same shape reuse one executable."""
+    return jax.jit(partial(_serving_layer, cfg=cfg, dtype=dtype), out_shardings=shardings)
+
+
+def _serving_layer(layer: LayerWeights, cfg: LlamaConfig, dtype: Any) -> ServingLayer:
+    """One layer's checkpoint-layout weights (no L axis) fused into a ServingLayer."""
+    d, k, dh = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // k
+    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+
+    def grouped(q: Array, key: Array, value: Array, lead: tuple[int, ...]) -> Array:
+        q = q.reshape(*lead, k, g, dh)
+        return cast(jnp.concatenate([q, key[..., None, :], value[..., None, :]], axis=-2))
+
+    bias = None if layer.bq is None else grouped(layer.bq, layer.bk, layer.bv, ())
+    return ServingLayer(
+        attn_norm=cast(layer.attn_norm),
+        wqkv=grouped(layer.wq, layer.wk, layer.wv, (d,)),
+        bqkv=bias,
+        q_norm=None if layer.q_norm is None else cast(layer.q_norm),
+        k_norm=None if layer.k_norm is None else cast(layer.k_norm),
+        wo=cast(layer.wo),
+        mlp_norm=cast(layer.mlp_norm),
+        w_gate_up=cast(jnp.stack([layer.w_gate, layer.w_up], axis=1)),
+        w_down=cast(layer.w_down),
     )
 
 
@@ -291,7 +411,7 @@ def init_weights(cfg: LlamaConfig, key: jax.Array, dtype: jnp.dtype = jnp.float3
 
 
 def attention_block(
-    layer: LayerWeights,
+    layer: ServingLayer,
     x: Float[Array, "T D"],
     positions: Int[Array, " T"],
     cos: Float[Array, "T Dh/2"],
@@ -301,12 +421,13 @@ def attention_block(
     attn_meta: AttentionMetadata,
     cfg: LlamaConfig,
 ) -> tuple[Float[Array, "T D"], KVCache]:
-    """Self-attention of one layer (weights without the L axis) on the normed input x."""
-    q = jnp.einsum("td,dhe->the", x, layer.wq)
-    k = jnp.einsum("td,dke->tke", x, layer.wk)
-    v = jnp.einsum("td,dke->tke", x, layer.wv)
-    if layer.bq is not None:
-        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+    """Self-attention of one layer on the normed input x."""
+    g = cfg.num_heads // cfg.num_kv_heads
+    qkv = jnp.einsum("td,dkge->tkge", x, layer.wqkv)  # one GEMM for q, k and v
+    if layer.bqkv is not None:
+        qkv = qkv + layer.bqkv
+    q = qkv[:, :, :g].reshape(x.shape[0], cfg.num_heads, cfg.head_dim)
+    k, v = qkv[:, :, g], qkv[:, :, g + 1]
     if layer.q_norm is not None:
         # Qwen3 normalises each head before rope, so rope sees unit-scale vectors.
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
@@ -327,35 +448,31 @@ def attention_block(
 
 
 def forward(
-    weights: LlamaWeights,
+    weights: ServingWeights,
     token_ids: Int[Array, " T"],
     positions: Int[Array, " T"],
     kv_cache: KVCache,
     attn_meta: AttentionMetadata,
     cfg: LlamaConfig,
 ) -> tuple[Float[Array, "T D"], KVCache]:
-    """Final-normed hidden states of a flat token batch, and the cache with this batch's K/V written."""
+    """Final-normed hidden states of a flat token batch, and the cache with this batch's K/V written.
+
+    A Python loop over the layers' own buffers: XLA reads each weight in place, and the identical
+    layers share their compiled kernels and autotuning, so compile time stays close to a scan's."""
     x = jnp.take(weights.embed, token_ids, axis=0)
     cos, sin = rope_frequencies(cfg.rope, cfg.head_dim, positions)
-
-    def layer_step(
-        carry: tuple[Array, KVCache], layer_and_index: tuple[LayerWeights, Array]
-    ) -> tuple[tuple[Array, KVCache], None]:
-        x, kv_cache = carry
-        layer, index = layer_and_index
+    # The whole cache is threaded through (updated in place); each layer finds its part by index.
+    for index, layer in enumerate(weights.layers):
         normed = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        attn_out, kv_cache = attention_block(layer, normed, positions, cos, sin, kv_cache, index, attn_meta, cfg)
+        attn_out, kv_cache = attention_block(
+            layer, normed, positions, cos, sin, kv_cache, jnp.int32(index), attn_meta, cfg
+        )
         h = x + attn_out
-        out = h + gated_mlp(rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate, layer.w_up, layer.w_down)
-        return (out, kv_cache), None
-
-    # The whole cache rides in the carry (updated in place); each layer finds its part by index.
-    layer_indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights.layers, layer_indices))
+        x = h + gated_mlp(rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
     return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), kv_cache
 
 
-def compute_logits(weights: LlamaWeights, hidden: Float[Array, "T D"], cfg: LlamaConfig) -> Float[Array, "T V"]:
+def compute_logits(weights: ServingWeights, hidden: Float[Array, "T D"], cfg: LlamaConfig) -> Float[Array, "T V"]:
     """float32 logits; a tied model projects with the embedding matrix."""
     del cfg  # same signature as families that soft-cap their logits
     if weights.lm_head is None:

@@ -1,8 +1,9 @@
 """Maps Hugging Face `architectures` names to the family module that implements them, and the protocol
 every family satisfies.
 
-A family module (`models/llama.py`) exposes `ModelFamily`: `param_specs`, `checkpoint_rules`,
-`init_weights`, `forward`, `compute_logits`, over a frozen config class with `from_hf` that satisfies
+A family module (`models/llama.py`) exposes `ModelFamily`: `param_specs` (the checkpoint layout),
+`serving_specs` and `to_serving` (the layout `forward` reads), `checkpoint_rules`, `init_weights`,
+`forward`, `compute_logits`, over a frozen config class with `from_hf` that satisfies
 `ModelConfig`; `resolve` returns the module and its config built from the checkpoint's config.json.
 """
 
@@ -35,6 +36,12 @@ class ModelFamily(Protocol):
     def param_specs(self, cfg: Any) -> Any:
         """The weights tree with a ParamSpec (shape, logical axes) at every leaf."""
 
+    def serving_specs(self, cfg: Any) -> Any:
+        """The serving layout (what `forward` reads) with a ParamSpec at every leaf."""
+
+    def to_serving(self, weights: Any, cfg: Any, shardings: Any = None, dtype: Any = None) -> Any:
+        """Checkpoint-layout weights in the serving layout, placed with `shardings`, cast to `dtype`."""
+
     def checkpoint_rules(self, cfg: Any) -> list[CheckpointRule]:
         """Hugging Face tensor names -> weight fields."""
 
@@ -50,7 +57,8 @@ class ModelFamily(Protocol):
         attn_meta: AttentionMetadata,
         cfg: Any,
     ) -> tuple[Float[Array, "T D"], KVCache]:
-        """Final-normed hidden states of a flat token batch, and the cache with its K/V written."""
+        """Final-normed hidden states of a flat token batch (serving-layout weights), and the cache with its
+        K/V written."""
 
     def compute_logits(self, weights: Any, hidden: Float[Array, "T D"], cfg: Any) -> Float[Array, "T V"]:
         """float32 logits of hidden states."""

@@ -117,6 +117,7 @@ def _dense_forward_logits(weights: Any, token_ids: jax.Array, *, family: Any, cf
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
     cache = init_dense_cache(cfg, 1, num_tokens, weights.embed.dtype)
     meta = DenseAttentionMetadata(jnp.zeros(num_tokens, jnp.int32))
+    weights = family.to_serving(weights, cfg)
     hidden, _ = family.forward(weights, token_ids, positions, cache, meta, cfg)
     return family.compute_logits(weights, hidden, cfg)
 

@@ -63,9 +63,8 @@ def test_gated_mlp_matches_hf() -> None:
     config = transformers.LlamaConfig(hidden_size=48, intermediate_size=80, num_attention_heads=4)
     mlp = hf_llama.LlamaMLP(config)
     x = torch.randn(5, 48)
-    ours = gated_mlp(
-        jnp.asarray(_np(x)), _np(mlp.gate_proj.weight).T, _np(mlp.up_proj.weight).T, _np(mlp.down_proj.weight).T
-    )
+    gate_up = np.stack([_np(mlp.gate_proj.weight).T, _np(mlp.up_proj.weight).T], axis=1)
+    ours = gated_mlp(jnp.asarray(_np(x)), gate_up, _np(mlp.down_proj.weight).T)
     _assert_close(ours, _np(mlp(x)))
 
 

@@ -169,6 +169,28 @@ def test_param_specs_describe_init_weights_leaf_for_leaf(case: Case) -> None:
     assert specs.layers.wk.logical_axes == ("layers", "embed", "kv_heads", "head_dim")
 
 
+def test_serving_specs_describe_to_serving_leaf_for_leaf(case: Case) -> None:
+    specs = llama.serving_specs(case.cfg)
+    serving = llama.to_serving(case.weights, case.cfg, dtype=jnp.bfloat16)
+    spec_leaves, spec_tree = jax.tree_util.tree_flatten(specs)
+    leaves, tree = jax.tree_util.tree_flatten(serving)
+    assert spec_tree == tree and len(serving.layers) == case.cfg.num_layers
+    for spec, leaf in zip(spec_leaves, leaves, strict=True):
+        assert isinstance(spec, ParamSpec) and spec.shape == leaf.shape and leaf.dtype == jnp.bfloat16
+    # Layer 1's fused matrices hold its own q/k/v and gate/up, grouped by kv head.
+    cfg, source, layer = case.cfg, case.weights.layers, serving.layers[1]
+    groups = cfg.num_heads // cfg.num_kv_heads
+    wqkv = np.asarray(layer.wqkv, np.float32)
+    wq = np.asarray(source.wq[1].astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(wqkv[:, :, :groups].reshape(wq.shape), wq)
+    np.testing.assert_array_equal(wqkv[:, :, groups], np.asarray(source.wk[1].astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(wqkv[:, :, groups + 1], np.asarray(source.wv[1].astype(jnp.bfloat16), np.float32))
+    gate_up = np.asarray(layer.w_gate_up, np.float32)
+    np.testing.assert_array_equal(gate_up[:, 1], np.asarray(source.w_up[1].astype(jnp.bfloat16), np.float32))
+    assert (layer.bqkv is None) == (not cfg.attention_bias)
+    assert specs.layers[0].wqkv.logical_axes == ("embed", "kv_heads", None, "head_dim")
+
+
 def test_checkpoint_rules_fill_every_field_from_exactly_the_hf_tensors(case: Case) -> None:
     # The fixture already loaded the model through the rules (strictly); here the two sides match up.
     rules = llama.checkpoint_rules(case.cfg)
@@ -198,7 +220,7 @@ def test_attention_block_matches_hf(case: Case) -> None:
     with torch.no_grad():
         ref, _ = hf_model.layers[0].self_attn(x, hf_model.rotary_emb(x, positions[None]), mask)
 
-    layer0 = jax.tree_util.tree_map(lambda a: a[0], case.weights.layers)
+    layer0 = llama.to_serving(case.weights, case.cfg).layers[0]
     cache = init_dense_cache(case.cfg, 1, num_tokens, jnp.float32)
     cos, sin = rope_frequencies(case.cfg.rope, case.cfg.head_dim, jnp.arange(num_tokens))
     ours, layer_cache = llama.attention_block(
@@ -218,6 +240,7 @@ def test_attention_block_matches_hf(case: Case) -> None:
 
 @partial(jax.jit, static_argnames=("cfg",))
 def _logits(weights, token_ids, positions, seq_ids, kv_cache, cfg):
+    weights = llama.to_serving(weights, cfg)
     hidden, kv_cache = llama.forward(weights, token_ids, positions, kv_cache, DenseAttentionMetadata(seq_ids), cfg)
     return llama.compute_logits(weights, hidden, cfg), kv_cache
 

@@ -38,10 +38,11 @@ def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
     n = len(token_ids)
     cache = init_dense_cache(loaded.config, 1, n, loaded.weights.embed.dtype)
     meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
+    weights = loaded.family.to_serving(loaded.weights, loaded.config)
     hidden, _ = loaded.family.forward(
-        loaded.weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
+        weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
     )
-    return np.asarray(loaded.family.compute_logits(loaded.weights, hidden, loaded.config))
+    return np.asarray(loaded.family.compute_logits(weights, hidden, loaded.config))
 
 
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:

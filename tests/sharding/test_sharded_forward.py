@@ -19,7 +19,7 @@ CHECK = textwrap.dedent(
     from models import registry
     from models.attention import DenseAttentionMetadata, init_dense_cache
     from sharding.mesh import make_mesh
-    from sharding.rules import named_shardings, shard_weights
+    from sharding.rules import named_shardings
 
     CONFIGS = {
         "llama": (transformers.LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=4,
@@ -37,7 +37,8 @@ CHECK = textwrap.dedent(
                           max_position_embeddings=256, **extra)
         hf.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
         family, cfg = registry.resolve(hf.to_dict())
-        weights = family.init_weights(cfg, jax.random.key(0), jnp.float32)
+        checkpoint = family.init_weights(cfg, jax.random.key(0), jnp.float32)
+        weights = family.to_serving(checkpoint, cfg)
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, 160, size=24), jnp.int32)
         positions = jnp.arange(24, dtype=jnp.int32)
         meta = DenseAttentionMetadata(seq_ids=jnp.zeros(24, jnp.int32))
@@ -48,10 +49,11 @@ CHECK = textwrap.dedent(
 
         cache = init_dense_cache(cfg, 1, 32, jnp.float32)
         single = jax.jit(logits_of)(weights, cache)
-        sharded_weights = shard_weights(weights, family.param_specs(cfg), mesh)
-        split = [s.spec for s in jax.tree_util.tree_leaves(named_shardings(family.param_specs(cfg), mesh))]
+        shardings = named_shardings(family.serving_specs(cfg), mesh)
+        sharded_weights = family.to_serving(checkpoint, cfg, shardings)
+        split = [s.spec for s in jax.tree_util.tree_leaves(shardings)]
         sharded = jax.jit(logits_of)(sharded_weights, cache)
-        assert len(sharded_weights.layers.wq.sharding.device_set) == 4
+        assert len(sharded_weights.layers[0].wqkv.sharding.device_set) == 4
         err = float(jnp.max(jnp.abs(sharded - single)) / jnp.max(jnp.abs(single)))
         results[name] = dict(err=err, num_split=sum(any(a is not None for a in s) for s in split))
     print(json.dumps(results))

@@ -21,7 +21,7 @@ CHECK = textwrap.dedent(
     from models import registry
     from models.attention import PagedAttentionMetadata, init_paged_cache, paged_cache_specs
     from sharding.mesh import make_mesh
-    from sharding.rules import named_shardings, shard_weights
+    from sharding.rules import named_shardings
 
     assert jax.device_count() == 4, jax.devices()
 
@@ -45,9 +45,9 @@ CHECK = textwrap.dedent(
     ]
 
     def run(backend, mesh, interpret):
-        w, cache = weights, init_paged_cache(cfg, 8, 16, jnp.float32)
+        w, cache = family.to_serving(weights, cfg), init_paged_cache(cfg, 8, 16, jnp.float32)
         if mesh is not None:
-            w = shard_weights(weights, family.param_specs(cfg), mesh)
+            w = family.to_serving(weights, cfg, named_shardings(family.serving_specs(cfg), mesh))
             cache = jax.device_put(cache, named_shardings(paged_cache_specs(cfg, 8, 16), mesh))
         logits = []
         for s in steps:
@@ -80,7 +80,9 @@ CHECK = textwrap.dedent(
     meta = PagedAttentionMetadata(
         slot_mapping=i32([36, 57]), block_table=i32([[1, 2], [3, 0]]), kv_lens=i32([21, 10]), cu_q_lens=i32([0, 1, 2]),
         num_seqs=i32(2), backend="pallas", max_q_len=1, mesh=gpu_mesh)
-    w = shard_weights(family.init_weights(cfg, jax.random.key(0), jnp.bfloat16), family.param_specs(cfg), mesh)
+    w = family.to_serving(
+        family.init_weights(cfg, jax.random.key(0), jnp.bfloat16), cfg, named_shardings(family.serving_specs(cfg), mesh)
+    )
     cache_shardings = named_shardings(paged_cache_specs(cfg, 8, 16), mesh)
     cache = jax.device_put(init_paged_cache(cfg, 8, 16, jnp.bfloat16), cache_shardings)
     step = lambda w, cache, t, p: family.forward(w, t, p, cache, meta, cfg)
