@@ -53,9 +53,6 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None, help="persistent compilation cache directory")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed generate; top functions to stderr")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: GPUs the model is split over")
-    parser.add_argument(
-        "--greedy-variants", action="store_true", help="compile all-greedy steps without conditionals (CompileConfig)"
-    )
     parser.add_argument("--save-tokens", default=None)
     parser.add_argument("--compare-tokens", default=None)
     args = parser.parse_args()
@@ -89,7 +86,6 @@ def main() -> None:
             token_buckets=sizes(args.token_buckets),
             cache_dir=args.cache_dir,
             penalty_variants=False,
-            greedy_variants=args.greedy_variants,
         ),
         attention_backend=args.backend,
         tensor_parallel_size=args.tp,
@@ -116,7 +112,6 @@ def main() -> None:
         "model": args.model,
         "backend": args.backend,
         "tp": args.tp,
-        "greedy_variants": args.greedy_variants,
         "dtype": args.dtype,
         "load_s": round(load_s, 2),
         "engine_init_s": round(engine_s, 2),

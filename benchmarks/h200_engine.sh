@@ -3,7 +3,6 @@
 #   bash benchmarks/h200_engine.sh llama8b   # ceilings, then the Llama-3.1-8B-shaped model (cold, then cached warmup)
 #   bash benchmarks/h200_engine.sh smollm2   # SmolLM2: pallas cold + cached warmup, then xla, token comparison
 #   bash benchmarks/h200_engine.sh dispatch  # which ops make the step call block the host (dispatch_sync.py)
-#   bash benchmarks/h200_engine.sh greedy    # 8B-shaped: general steps against greedy variants (no conditionals)
 #   bash benchmarks/h200_engine.sh tp2       # 8B-shaped on two GPUs: Pallas kernels under shard_map, and xla
 #   bash benchmarks/h200_engine.sh profile   # 8B-shaped decode step, kernel by kernel against its floors (step_profile.py)
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log; `profile` writes
@@ -39,12 +38,6 @@ case "${1:-}" in
     run smollm2_pallas_cached 100 "${S[@]}" --backend pallas
     run smollm2_xla 200 "${S[@]}" --backend xla --compare-tokens "$OUT/pallas_tokens.npy"
     ;;
-  greedy)
-    G=(--model llama8b --backend pallas --max-seq-len 2048 --decode-sizes 64,128,256 --token-buckets 2048,8192)
-    G+=(--num-prompts 256 --prompt-len 128 --max-tokens 128)
-    run llama8b_general 280 "${G[@]}"
-    run llama8b_greedy 280 "${G[@]}" --greedy-variants
-    ;;
   tp2)
     T=(--model llama8b --max-seq-len 2048 --decode-sizes 64,128,256 --token-buckets 2048,8192 --tp 2)
     T+=(--num-prompts 256 --prompt-len 128 --max-tokens 128)
@@ -56,9 +49,9 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/dispatch_sync.py | tee "$OUT/dispatch_sync.txt"
     ;;
   profile)
-    P=(--shape llama8b --backend pallas --max-seq-len 2048 --unroll)
+    P=(--shape llama8b --backend pallas --max-seq-len 2048)
     profile_run b1_c128 200 "${P[@]}" --batch 1 --context 128
-    profile_run b256_c192 280 "${P[@]}" --batch 256 --context 192 --variant general,greedy
+    profile_run b256_c192 280 "${P[@]}" --batch 256 --context 192 --variant greedy,candidates,sorted
     ;;
-  *) echo "usage: $0 llama8b|smollm2|dispatch|greedy|tp2|profile" >&2; exit 2 ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile" >&2; exit 2 ;;
 esac

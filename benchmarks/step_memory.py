@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from common import SMOLLM2_135M
 
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.inputs import Bucket, StepConfig, StepVariant
+from jaxserve.inputs import Bucket, StepConfig
 from jaxserve.runner import Runner, RunnerSpec
 from models import registry
 
@@ -41,7 +41,7 @@ def main() -> None:
     pool_shape = f"bf16[{cfg.num_layers},{num_blocks},16,{cfg.num_kv_heads},{cfg.head_dim}]"
     flat_shape = f"bf16[{cfg.num_layers * num_blocks},16,{cfg.num_kv_heads},{cfg.head_dim}]"
     for bucket in (Bucket(args.batch, args.batch, decode_only=True), Bucket(512, args.batch)):
-        compiled = runner.compile_step(bucket, StepVariant(), num_blocks)
+        compiled = runner.compile_forward(bucket, False, num_blocks)
         analysis = compiled.memory_analysis()
         pool_gib = num_blocks * per_block / 2**30
         print(

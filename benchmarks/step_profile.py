@@ -1,7 +1,7 @@
 """Per-step device profile of one compiled engine step: every kernel's time against its byte/flop floor.
 
     python benchmarks/step_profile.py --batch 1 --context 128 --out out/profile_b1.csv
-    python benchmarks/step_profile.py --batch 256 --context 192 --variant general,greedy --unroll --out out/b256.csv
+    python benchmarks/step_profile.py --batch 256 --context 192 --variant greedy,candidates --out out/b256.csv
     python benchmarks/step_profile.py --shape tiny --batch 4 --context 32 --backend xla   # CPU check
 
 The runner is built as the engine builds it: an EngineConfig with one decode bucket of B = --batch rows
@@ -31,12 +31,11 @@ weights counts the whole embedding table, of which a step reads T rows) and lm_h
 their parameters flops (2 x B x D x V for lm_head); attention: each row's K and V (kv_len x 2 x L x K x
 Dh x bytes), 4 x L x H x Dh x visible pairs flops; write_kv: T tokens' K and V; step: all plus T embed rows.
 
-From `runner._compiled[bucket, variant].as_text()`: while loops, conditionals, custom-calls by target, and
-the instructions outside fusions shaped like one layer's weight matrix (e.g. bf16[4096,14336]) or a whole
-weight, by opcode (a fusion by what it fuses): in the scan's body they run once per layer, the evidence
-that slicing layers out of the stacked weights copies them. --unroll recompiles each profiled step with
-`jax.lax.scan(..., unroll=True)` for the scans traced from models/ and profiles it again. Every kernel
-row goes to --out (CSV), the summaries to the same name with .json, the traces to --trace-dir.
+From the step's two executables' HLO (the forward's and the sampler's `as_text()`): while loops,
+conditionals, custom-calls by target, and the instructions outside fusions shaped like one layer's weight
+matrix (e.g. bf16[4096,14336]) or a whole weight, by opcode (a fusion by what it fuses): copies of weights
+show up there. --variant names sampler modes (greedy, candidates, sorted). Every kernel row goes to --out
+(CSV), the summaries to the same name with .json, the traces to --trace-dir.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import contextlib
 import csv
 import glob
 import gzip
@@ -64,7 +62,7 @@ import numpy as np
 from common import LLAMA_3_1_8B, SMOLLM2_135M
 
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.inputs import Bucket, StepConfig, StepInputs, StepVariant, make_step_inputs
+from jaxserve.inputs import Bucket, SamplerMode, StepConfig, StepInputs, StepVariant, make_step_inputs
 from jaxserve.request import Request
 from jaxserve.runner import Runner, RunnerSpec, enable_compilation_cache, resolve_backend
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams
@@ -77,7 +75,7 @@ SHAPES = {
     "smollm2": SMOLLM2_135M,
     "tiny": {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096},  # CPU checks of this script
 }
-VARIANTS = {"general": StepVariant(), "greedy": StepVariant(greedy=True)}
+VARIANTS = {mode.value: StepVariant(mode) for mode in SamplerMode}
 # First match wins, over the kernel name and its hlo_op: the Pallas kernels by their pallas_call names,
 # cuBLAS / cuBLASLt (nvjet, sm90_xmma, cutlass, gemv) and XLA's Triton GEMM fusions, data movement (the
 # scan's weight slices are dynamic-slice fusions; the xla backend's KV write is a scatter), the sampler's
@@ -160,9 +158,8 @@ def parse_args() -> argparse.Namespace:
     add("--prefill", type=int, default=None, help="also profile a prefill step in a token bucket of this size")
     add("--max-seq-len", type=int, default=2048, help="fixes the block table width")
     add("--backend", choices=["pallas", "xla"], default="pallas")
-    add("--variant", default="general", help="comma-separated: general, greedy")
+    add("--variant", default="greedy", help="comma-separated sampler modes: greedy, candidates, sorted")
     add("--temperature", type=float, default=0.0)
-    add("--unroll", action="store_true", help="also profile each step with the layer scan unrolled")
     add("--calls", type=int, default=20, help="back-to-back calls timed by wall clock")
     add("--traced", type=int, default=5, help="calls under the profiler")
     add("--bandwidth", type=float, default=None, help="TB/s for the floors (default: measured on GPU)")
@@ -191,7 +188,6 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
         decode_batch_sizes=(args.batch,),
         token_buckets=(tokens,),
         penalty_variants=False,
-        greedy_variants="greedy" in args.variants,
     )
     config = EngineConfig(
         args.batch, tokens, args.max_seq_len, compile=compile_config, attention_backend=args.backend, dtype=args.dtype
@@ -201,7 +197,7 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
     runner = Runner(RunnerSpec(family, cfg, steps, jnp.dtype(args.dtype), backend, MAX_LOGPROBS), weights)
     num_blocks = 1 + args.batch * -(-(args.context + 1) // steps.buckets.block_size)
     seconds = runner.start(num_blocks, show_progress=False)
-    print(f"started: {len(runner.compiled_steps)} steps compiled in {seconds:.1f} s, pool of {num_blocks} blocks")
+    print(f"started: {runner.num_executables} executables compiled in {seconds:.1f} s, pool of {num_blocks} blocks")
     return runner
 
 
@@ -507,33 +503,6 @@ def hlo_counts(text: str, per_layer: set[str], whole: set[str]) -> dict:
     )
 
 
-@contextlib.contextmanager
-def unrolled_layer_scan() -> Iterator[None]:
-    """jax.lax.scan with unroll=True for the scans traced from models/ (the layer loop), while inside."""
-    original = jax.lax.scan
-
-    def scan(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(f, "__module__", "").startswith("models."):
-            kwargs["unroll"] = True
-        return original(f, *args, **kwargs)
-
-    jax.lax.scan = scan
-    try:
-        yield
-    finally:
-        jax.lax.scan = original
-
-
-def recompile_unrolled(runner: Runner, keys: list[tuple[Bucket, StepVariant]]) -> None:
-    """Replaces the compiled steps of `keys` with ones whose layer scan is unrolled."""
-    with unrolled_layer_scan():
-        for bucket, variant in keys:
-            start = time.perf_counter()
-            runner._compiled[bucket, variant] = runner.compile_step(bucket, variant, runner.num_blocks)
-            print(f"compiled T={bucket.num_tokens} B={bucket.num_seqs} {variant}, layers unrolled, ", end="")
-            print(f"in {time.perf_counter() - start:.1f} s")
-
-
 # ---- one profile and the report -----------------------------------------------------------------
 
 
@@ -545,7 +514,8 @@ def profile_step(runner: Runner, work: Workload, variant: str, layers: str, args
     traced = traced_events(runner, work, step_variant, args.traced, log_dir)
     events, rule = device_events(traced, jax.default_backend())
     busy, span = busy_and_span_us(events)
-    hlo = hlo_counts(runner._compiled[work.bucket, step_variant].as_text(), *args.weight_shapes)
+    forward, sampler = runner._executables(work.bucket, step_variant)
+    hlo = hlo_counts(forward.as_text() + "\n" + sampler.as_text(), *args.weight_shapes)
     leading = {int(f.split(",")[0]) for f in args.weight_shapes[0] if f.count(",") == 1}
     if {work.bucket.num_tokens, work.bucket.num_seqs} & leading:
         hlo["note"] = f"T or B is a weight dimension ({sorted(leading)}): activations may be counted as slices"
@@ -661,15 +631,12 @@ def main() -> None:
     for w in works:
         print_costs(costs[w.name], rates, w.name)
     profiles = []
-    for layers in ("scan", "unrolled") if args.unroll else ("scan",):
-        if layers == "unrolled":
-            recompile_unrolled(runner, [(w.bucket, VARIANTS[v]) for w in works for v in args.variants])
-        for work in works:
-            for variant in args.variants:
-                profile = profile_step(runner, work, variant, layers, args)
-                profile.groups = floored_groups(profile, costs[work.name], rates)
-                print_profile(profile, args.top)
-                profiles.append(profile)
+    for work in works:
+        for variant in args.variants:
+            profile = profile_step(runner, work, variant, "per-layer", args)
+            profile.groups = floored_groups(profile, costs[work.name], rates)
+            print_profile(profile, args.top)
+            profiles.append(profile)
     print_summary(profiles)
     extra = {"argv": sys.argv[1:], "device": jax.devices()[0].device_kind, "rates": rates}
     extra["costs"] = {name: {part: asdict(cost) for part, cost in parts.items()} for name, parts in costs.items()}

@@ -23,7 +23,7 @@ significant digits.
               "engine": {"model", "backend", "dtype", "tensor_parallel_size", "max_batch_size",
                          "max_num_tokens", "max_seq_len", "kv_blocks", "kv_tokens", "kv_gib", "load_s",
                          "init_s" (engine construction: profile, KV pool, compiling), "warmup_s" (of which
-                         compiling), "compiled_steps"},
+                         compiling), "compiled_executables" (forwards and samplers)},
               "output_tok_per_s", "ttft_ms", "tpot_ms": {"mean", "p50", "p90", "p99"} (null without samples),
               "steps": {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms",
                         "peak_kv_usage" (a fraction of the pool), "num_preempted"}
@@ -72,7 +72,10 @@ class TokenIdTokenizer:
 
 
 def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
-    """A model of a known shape (`models.shapes`) with random weights; dtype "auto" as `LLM` resolves it."""
+    """A model of a known shape (`models.shapes`) with random weights; dtype "auto" as `LLM` resolves it.
+
+    Drawn on the device, then held on the host (numpy), as a checkpoint loader returns them: the engine
+    places its serving layout layer by layer, so the device never keeps a second copy of the weights."""
     import jax
     import jax.numpy as jnp
 
@@ -82,8 +85,7 @@ def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
 
     hf_config = shapes.shape(name)
     family, cfg = registry.resolve(hf_config)
-    weights = family.init_weights(cfg, jax.random.key(seed), jnp.dtype(resolve_dtype(dtype)))
-    jax.block_until_ready(weights)
+    weights = jax.device_get(family.init_weights(cfg, jax.random.key(seed), jnp.dtype(resolve_dtype(dtype))))
     return LoadedModel(family, cfg, weights, hf_config, None, f"{name} (random weights)")
 
 
@@ -201,7 +203,7 @@ class EngineSummary:
     load_s: float
     init_s: float
     warmup_s: float
-    compiled_steps: int
+    compiled_executables: int
 
 
 def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
@@ -223,7 +225,7 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         load_s=load_s,
         init_s=init_s,
         warmup_s=engine.warmup_seconds,
-        compiled_steps=len(engine.runner.compiled_steps),
+        compiled_executables=engine.runner.num_executables,
     )
 
 
@@ -416,7 +418,7 @@ def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
         f"engine              {e.backend} backend, {e.dtype}, tensor parallel {e.tensor_parallel_size}; "
         f"max_batch_size {e.max_batch_size}, max_num_tokens {e.max_num_tokens}, max_seq_len {e.max_seq_len}",
         f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
-        f"(compiling {e.compiled_steps} steps: {e.warmup_s:.2f} s)",
+        f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s)",
         f"KV cache            {e.kv_blocks} blocks ({e.kv_tokens} tokens, {size}), peak usage {peak}",
     ]
 

@@ -262,8 +262,13 @@ def _add_engine_options(group: Any) -> None:
         metavar="N,N,...",
         help="comma-separated token counts of prefill steps to compile",
     )
-    group.add_argument("--greedy-variants", action="store_true", help="also compile all-greedy steps (no conditionals)")
     group.add_argument("--cache-dir", metavar="DIR", help="persistent compilation cache directory")
+    group.add_argument(
+        "--compile-threads",
+        type=_int_at_least(1),
+        metavar="N",
+        help="executables compiled at once (default: min(8, CPUs))",
+    )
 
 
 def _int_at_least(minimum: int) -> Any:
@@ -389,8 +394,8 @@ def _bench_llm(args: argparse.Namespace, model: Any, tokenizer: Any, max_seq_len
             decode_batch_sizes=args.decode_batch_sizes,
             token_buckets=args.token_buckets,
             cache_dir=args.cache_dir,
+            compile_threads=args.compile_threads,
             penalty_variants=False,  # the benchmark's requests have no penalties
-            greedy_variants=args.greedy_variants,
         ),
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,

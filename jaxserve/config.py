@@ -126,15 +126,13 @@ class CompileConfig:
     enable_padding: pad a decode step up to the next decode batch size; without it a decode step
         whose size is not in the table runs in a mixed bucket.
     cache_dir: persistent compilation cache directory; None uses the default under the user cache dir.
-    penalty_variants: also compile every bucket with a token history, which the repetition / presence /
+    penalty_variants: also compile every sampler with a token history, which the repetition / presence /
         frequency penalties need; without it a request that asks for a penalty is refused.
     prompt_logprobs: also compile every token bucket with logprobs at every prompt position, which
         SamplingParams.prompt_logprobs needs (like TensorRT-LLM's gather_context_logits); without it such a
         request is refused.
-    greedy_variants: also compile every bucket as an all-greedy step (an argmax, no device-side
-        conditionals), used for steps whose rows are all greedy without penalties or logprobs; its call
-        returns before the device runs it, where the general step's waits (docs/benchmarks.md, third 8B
-        run). Costs one more compile per bucket.
+    compile_threads: executables compiled at once at warmup (XLA compiles outside the GIL); None uses
+        min(8, the CPU count).
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None
@@ -143,7 +141,7 @@ class CompileConfig:
     cache_dir: str | None = None
     penalty_variants: bool = True
     prompt_logprobs: bool = False
-    greedy_variants: bool = False
+    compile_threads: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalising a field needs object.__setattr__.
@@ -157,15 +155,17 @@ class CompileConfig:
             raise ValueError(f"penalty_variants must be a bool, got {self.penalty_variants!r}")
         if not isinstance(self.prompt_logprobs, bool):
             raise ValueError(f"prompt_logprobs must be a bool, got {self.prompt_logprobs!r}")
-        if not isinstance(self.greedy_variants, bool):
-            raise ValueError(f"greedy_variants must be a bool, got {self.greedy_variants!r}")
+        threads = self.compile_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"compile_threads must be None or an int >= 1, got {threads!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Resolved limits of one engine; build it with `make_engine_config` to get TensorRT-LLM's defaults.
 
-    max_batch_size: sequences per step (>= 1).
+    max_batch_size: sequences per step (>= 1); with auto_max_batch_size an upper bound the engine
+        lowers, once the KV pool is sized, to what the pool holds (`capacity.auto_max_batch_size`).
     max_num_tokens: tokens per step (>= 1).
     max_seq_len: prompt + generated tokens of one sequence (>= 2: one prompt token and one new token).
     attention_backend: "pallas", "xla", or "auto" (pallas on GPU, xla elsewhere).
@@ -181,9 +181,12 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     attention_backend: AttentionBackend = "auto"
     dtype: str = "auto"
+    auto_max_batch_size: bool = False
 
     def __post_init__(self) -> None:
         _require_int("max_batch_size", self.max_batch_size, 1)
+        if not isinstance(self.auto_max_batch_size, bool):
+            raise ValueError(f"auto_max_batch_size must be a bool, got {self.auto_max_batch_size!r}")
         _require_int("max_num_tokens", self.max_num_tokens, 1)
         _require_int("max_seq_len", self.max_seq_len, 2)
         for name, kind in (("kv_cache", KvCacheConfig), ("scheduler", SchedulerConfig), ("compile", CompileConfig)):
@@ -276,6 +279,7 @@ def make_engine_config(
     compile: CompileConfig | None = None,
     attention_backend: AttentionBackend = "auto",
     dtype: str = "auto",
+    auto_max_batch_size: bool = False,
 ) -> EngineConfig:
     """An EngineConfig whose max_seq_len and max_num_tokens follow TensorRT-LLM's inference rules."""
     seq_len = infer_max_seq_len(hf_config, max_seq_len)
@@ -288,4 +292,5 @@ def make_engine_config(
         compile=compile if compile is not None else CompileConfig(),
         attention_backend=attention_backend,
         dtype=dtype,
+        auto_max_batch_size=auto_max_batch_size,
     )

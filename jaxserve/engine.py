@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -99,9 +100,14 @@ class Engine:
         enable_compilation_cache(config.compile.cache_dir)
         backend = resolve_backend(config.attention_backend)
         dtype = model_dtype(config.dtype, weights)
-        spec = RunnerSpec(family, cfg, self.steps, dtype, backend, num_top_logprobs=MAX_LOGPROBS)
+        threads = config.compile.compile_threads or default_compile_threads()
+        spec = RunnerSpec(family, cfg, self.steps, dtype, backend, MAX_LOGPROBS, compile_threads=threads)
         self.runner = Runner(spec, weights, mesh=mesh, seed=seed)
         self.kv_budget = capacity.kv_budget(self.runner.profile(), config)
+        if config.auto_max_batch_size:  # profiled at the upper bound: conservative for any smaller size
+            self.config = config = _with_max_batch_size(config, self.kv_budget, cfg.vocab_size)
+            self.steps = StepConfig.from_config(config, cfg.vocab_size)
+            self.runner.set_steps(self.steps)
         self.warmup_seconds = self.runner.start(self.kv_budget.num_blocks, show_progress=show_progress)
         kv = config.kv_cache
         self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
@@ -317,6 +323,27 @@ def _step_stats(
         dispatch_seconds=time.perf_counter() - dispatch_start,
         launched_at=dispatch_start,
     )
+
+
+def default_compile_threads() -> int:
+    """min(8, the CPU count): XLA compiles outside the GIL; tracing the next executable overlaps it."""
+    return min(8, os.cpu_count() or 1)
+
+
+def _with_max_batch_size(config: EngineConfig, budget: capacity.KvBudget, vocab_size: int) -> EngineConfig:
+    """The config with max_batch_size lowered to what the KV pool holds (`capacity.auto_max_batch_size`)."""
+    kv_tokens = budget.tokens(config.kv_cache.block_size)
+    size = capacity.auto_max_batch_size(kv_tokens, config.max_batch_size)
+    logger.info(
+        "max_batch_size %d (a pool of %d tokens holds %d sequences of %d tokens; upper bound %d)",
+        size,
+        kv_tokens,
+        kv_tokens // capacity.AUTO_TOKENS_PER_SEQUENCE,
+        capacity.AUTO_TOKENS_PER_SEQUENCE,
+        config.max_batch_size,
+    )
+    tokens = min(config.max_num_tokens, size * config.max_seq_len)  # no step holds more
+    return dataclasses.replace(config, max_batch_size=size, max_num_tokens=tokens, auto_max_batch_size=False)
 
 
 def model_dtype(dtype: str, weights: Any) -> np.dtype:

@@ -9,10 +9,10 @@ shape, dtype and padding value once); the runner compiles one step per `StepConf
 entry and runs `compiled[bucket, variant]`.
 
 Bucket rules (they stand in for TensorRT-LLM's CUDA graph batch sizes):
-- decode-only steps use T = B from the decode batch sizes: CudaGraphConfig._generate_cuda_graph_batch_sizes
-  when the user gives none, then _filter_cuda_graph_batch_sizes (model_engine.py): sizes above
-  min(max_batch_size, max_num_tokens) are dropped, and with padding the first one above that cap is
-  replaced by the cap itself;
+- decode-only steps use T = B from the decode batch sizes: `generate_decode_batch_sizes` when the user
+  gives none (coarser than TensorRT-LLM's CUDA graph sizes), then TensorRT-LLM's
+  _filter_cuda_graph_batch_sizes (model_engine.py): sizes above min(max_batch_size, max_num_tokens)
+  are dropped, and with padding the first one above that cap is replaced by the cap itself;
 - mixed / prefill steps use T from the token buckets (powers of two from 16 up to max_num_tokens, plus
   max_num_tokens) with B = max_batch_size;
 - a step is padded to the smallest bucket that holds it (bisect). Without padding a decode step whose
@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -45,11 +46,16 @@ MIN_TOKEN_BUCKET = 16
 
 
 def generate_decode_batch_sizes(max_batch_size: int, enable_padding: bool) -> list[int]:
-    """Default decode batch sizes; mirrors CudaGraphConfig._generate_cuda_graph_batch_sizes."""
+    """Default decode batch sizes. With padding: powers of two up to 128, then every 64 up to 256, then
+    every 128, and max_batch_size itself. Each size is an XLA compile of seconds (a CUDA graph capture
+    takes milliseconds), so the table is coarser than TensorRT-LLM's (1, 2, 4, then every 8 up to 128,
+    then every 64): a decode step costs about the same for any row count up to ~128 (it reads the weights
+    once), and above that padding adds at most a third. Without padding (every size exact), TensorRT-LLM's
+    table: 1 to 31, 32, 64, 128 and the powers of two below max_batch_size."""
     if enable_padding:
-        sizes = [1, 2, 4] + [8 * i for i in range(1, 17)]
-        while sizes[-1] + 64 <= max_batch_size:
-            sizes.append(sizes[-1] + 64)
+        sizes = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256]
+        while sizes[-1] + 128 <= max_batch_size:
+            sizes.append(sizes[-1] + 128)
     else:
         ceil_log2 = (max_batch_size - 1).bit_length()
         sizes = list(range(1, 32)) + [32, 64, 128] + [2**i for i in range(8, ceil_log2)]
@@ -178,27 +184,40 @@ MAX_BANNED_TOKENS = 8
 NO_TARGET = -1  # a flat token whose next token is not a prompt token (or whose request wants no prompt logprobs)
 
 
+class SamplerMode(Enum):
+    """How the step's sampler cuts the filters (jaxserve/sampler.py): chosen per step on the host, so
+    the device never branches."""
+
+    GREEDY = "greedy"  # every row greedy, none asks for logprobs: an argmax
+    CANDIDATES = "candidates"  # filters from each row's NUM_CANDIDATES best logits
+    SORTED = "sorted"  # filters from a sort of the whole vocabulary (top-p without a small top-k)
+
+
+# Logits per row the CANDIDATES mode keeps: a top-k up to this many (Hugging Face's default is 50) and
+# a top-p that comes with one need no sort of the vocabulary.
+NUM_CANDIDATES = 64
+
+
 @dataclass(frozen=True, slots=True)
 class StepVariant:
-    """The static choices of a compiled step besides its shape, chosen per step on the host.
+    """The static choices of a step besides its shape, chosen per step on the host (`choose_variant`).
+    The runner runs a step as two compiled calls: the forward, per (bucket, prompt_logprobs), and the
+    sampler, per (rows, sampler, penalties).
 
-    greedy: every row is greedy and none asks for logprobs: an argmax with no device-side conditional
-        (why that matters: docs/benchmarks.md, third 8B run).
+    sampler: how the sampler cuts the filters (`SamplerMode`); every mode but GREEDY also returns the
+        sampled tokens' logprobs.
     penalties: the step receives each row's token history for the repetition / presence / frequency
         penalties.
     prompt_logprobs: the step also scores every flat token's next prompt token (token buckets only).
     """
 
-    greedy: bool = False
+    sampler: SamplerMode = SamplerMode.CANDIDATES
     penalties: bool = False
     prompt_logprobs: bool = False
 
-    def __post_init__(self) -> None:
-        if self.greedy and (self.penalties or self.prompt_logprobs):
-            raise ValueError("a greedy step variant has neither penalties nor prompt logprobs")
-
     def __str__(self) -> str:
-        return "+".join(name for name in ("greedy", "penalties", "prompt_logprobs") if getattr(self, name)) or "general"
+        extras = [name for name in ("penalties", "prompt_logprobs") if getattr(self, name)]
+        return "+".join([self.sampler.value, *extras])
 
 
 def has_penalty(params: SamplingParams) -> bool:
@@ -208,8 +227,8 @@ def has_penalty(params: SamplingParams) -> bool:
 @dataclass(frozen=True, slots=True)
 class StepConfig:
     """What fixes the compiled steps' inputs besides the model: the buckets, the variants compiled at
-    warmup, and the padding ids. One enumeration (`compiled_steps`) serves warmup, the capacity probe
-    (`largest_step`) and the check of every step the engine runs.
+    warmup, and the padding ids. `forwards` and `samplers` enumerate what warmup compiles;
+    `compiled_steps` the (bucket, variant) steps they serve, `largest_step` the capacity probe's.
 
     vocab_size: the out-of-vocabulary id that pads banned tokens and token histories.
     max_seq_len: the width of a token history.
@@ -220,7 +239,6 @@ class StepConfig:
     max_seq_len: int
     penalty_variants: bool = False
     prompt_logprob_variants: bool = False
-    greedy_variants: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig, vocab_size: int) -> StepConfig:
@@ -231,47 +249,66 @@ class StepConfig:
             max_seq_len=config.max_seq_len,
             penalty_variants=compile_config.penalty_variants,
             prompt_logprob_variants=compile_config.prompt_logprobs,
-            greedy_variants=compile_config.greedy_variants,
         )
 
-    def variants(self, bucket: Bucket) -> tuple[StepVariant, ...]:
-        """The variants compiled for one bucket: general (with penalties too, when compiled), prompt
-        logprobs for token buckets, greedy."""
+    def forwards(self) -> tuple[tuple[Bucket, bool], ...]:
+        """Every (bucket, prompt_logprobs) forward compiled at warmup: prompt-logprobs forwards for token
+        buckets when compiled."""
+        scoring = (False, True) if self.prompt_logprob_variants else (False,)
+        return tuple(
+            (bucket, flag) for bucket in self.buckets.buckets for flag in scoring if not (flag and bucket.decode_only)
+        )
+
+    def samplers(self) -> tuple[tuple[int, SamplerMode, bool], ...]:
+        """Every (rows, sampler mode, penalties) sampler compiled at warmup: one per row count of the
+        buckets, sampler mode and penalty choice."""
+        rows = sorted({bucket.num_seqs for bucket in self.buckets.buckets})
         penalties = (False, True) if self.penalty_variants else (False,)
-        variants = [StepVariant(penalties=p) for p in penalties]
-        if self.prompt_logprob_variants and not bucket.decode_only:
-            variants += [StepVariant(penalties=p, prompt_logprobs=True) for p in penalties]
-        if self.greedy_variants:
-            variants.append(StepVariant(greedy=True))
-        return tuple(variants)
+        return tuple(itertools.product(rows, SamplerMode, penalties))
+
+    def variants(self, bucket: Bucket) -> tuple[StepVariant, ...]:
+        """Every variant a step of this bucket can run as."""
+        scoring = {flag for b, flag in self.forwards() if b == bucket}
+        samplers = [(mode, p) for rows, mode, p in self.samplers() if rows == bucket.num_seqs]
+        return tuple(StepVariant(mode, p, flag) for flag in sorted(scoring) for mode, p in samplers)
 
     def compiled_steps(self) -> tuple[tuple[Bucket, StepVariant], ...]:
-        """Every (bucket, variant) compiled at warmup: the keys of the runner's table."""
+        """Every (bucket, variant) the compiled forwards and samplers serve."""
         return tuple((bucket, variant) for bucket in self.buckets.buckets for variant in self.variants(bucket))
 
     def largest_step(self) -> tuple[Bucket, StepVariant]:
-        """The compiled step with the largest activations, which the capacity probe runs: the most tokens,
-        then rows, a token bucket over a decode one, then prompt logprobs and penalties when compiled."""
-
-        def size(step: tuple[Bucket, StepVariant]) -> tuple[int, int, bool, bool, bool]:
-            bucket, variant = step
-            shape = (bucket.num_tokens, bucket.num_seqs, not bucket.decode_only)
-            return (*shape, variant.prompt_logprobs, variant.penalties)
-
-        return max(self.compiled_steps(), key=size)
+        """The step with the largest activations, which the capacity probe runs: the most tokens, then
+        rows, a token bucket over a decode one; prompt logprobs and penalties when compiled, the sorting
+        sampler."""
+        bucket = max(self.buckets.buckets, key=lambda b: (b.num_tokens, b.num_seqs, not b.decode_only))
+        scoring = self.prompt_logprob_variants and not bucket.decode_only
+        return bucket, StepVariant(SamplerMode.SORTED, self.penalty_variants, scoring)
 
     def choose_variant(self, batch: ScheduledBatch) -> StepVariant:
-        """The variant a batch needs: penalties or prompt logprobs when a row asks, greedy when allowed."""
-        params = [row.request.sampling_params for row in batch.rows]
+        """The variant a batch needs: penalties or prompt logprobs when a row asks, and the cheapest
+        sampler mode that is exact for every row."""
+        params = [row.request.sampling_params for row in batch.rows if row.samples]  # others' logits are unused
         penalties = any(has_penalty(p) for p in params)
-        scoring = [row.request.sampling_params.prompt_logprobs is not None for row in batch.rows if row.is_prefill]
-        prompt_logprobs = any(scoring)
-        greedy = (
-            self.greedy_variants
-            and not (penalties or prompt_logprobs)
-            and all(p.is_greedy and p.logprobs is None for p in params)
+        prompt_logprobs = any(
+            row.request.sampling_params.prompt_logprobs is not None for row in batch.rows if row.is_prefill
         )
-        return StepVariant(greedy=greedy, penalties=penalties, prompt_logprobs=prompt_logprobs)
+        return StepVariant(self.sampler_mode(params), penalties, prompt_logprobs)
+
+    def sampler_mode(self, params: list[SamplingParams]) -> SamplerMode:
+        """GREEDY when every row is greedy and none wants logprobs; CANDIDATES when every sampling row's
+        filters fit NUM_CANDIDATES logits; else SORTED."""
+        sampling = [p for p in params if not p.is_greedy]
+        if not sampling and all(p.logprobs is None for p in params):
+            return SamplerMode.GREEDY
+        if all(self._fits_candidates(p) for p in sampling):
+            return SamplerMode.CANDIDATES
+        return SamplerMode.SORTED
+
+    def _fits_candidates(self, params: SamplingParams) -> bool:
+        top_k = params.top_k if params.top_k is not None and params.top_k < self.vocab_size else None
+        if top_k is None:
+            return params.top_p >= 1.0  # min-p alone needs only the maximum
+        return top_k <= NUM_CANDIDATES
 
     def check_supported(self, params: SamplingParams, num_eos_tokens: int) -> None:
         """Raises a ValueError naming the knob when a request needs a variant this engine does not compile."""
@@ -348,12 +385,13 @@ class TokenHistory:
     """Each row's prompt then output tokens, for the repetition / presence / frequency penalties.
 
     token_ids is padded with the vocabulary size (out of range: the sampler's scatters drop it). A row
-    whose last input token is still on the device (overlap) has padding at that position; the step
-    fills it with the carried token, like token_ids.
+    whose last input token is still on the device (overlap) has padding at that position,
+    carried_column (S for other rows); the sampler fills it with the carried token, like token_ids.
     """
 
     token_ids: Int32[np.ndarray, "B S"]
     num_prompt_tokens: Int32[np.ndarray, " B"]
+    carried_column: Int32[np.ndarray, " B"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +402,6 @@ class StepInputs:
     carried_mask / carried_source: row b's last input token is the previous step's sample of row
         carried_source[b] (overlap); the step writes it into token_ids[logits_indices[b]].
     banned_tokens: ids row b may not sample this step (min_tokens), padded with the vocabulary size.
-    want_logprobs: some row asked for logprobs (the general variants compute them only then).
     history / prompt_targets: present exactly in the penalties / prompt-logprobs variants.
     """
 
@@ -379,7 +416,6 @@ class StepInputs:
     carried_mask: Bool[np.ndarray, " B"]
     carried_source: Int32[np.ndarray, " B"]
     banned_tokens: Int32[np.ndarray, "B NB"]
-    want_logprobs: Bool[np.ndarray, ""]
     sampling: SamplingInputs
     history: TokenHistory | None = None
     prompt_targets: Int32[np.ndarray, " T"] | None = None
@@ -398,7 +434,8 @@ def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> 
     def ints(shape: int | tuple[int, ...], value: int = 0) -> np.ndarray:
         return np.full(shape, value, dtype=np.int32)
 
-    history = TokenHistory(ints((B, config.max_seq_len), config.vocab_size), ints(B)) if variant.penalties else None
+    S = config.max_seq_len
+    history = TokenHistory(ints((B, S), config.vocab_size), ints(B), ints(B, S)) if variant.penalties else None
     return StepInputs(
         token_ids=ints(T),
         positions=ints(T),
@@ -411,7 +448,6 @@ def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> 
         carried_mask=np.zeros(B, dtype=np.bool_),
         carried_source=ints(B),
         banned_tokens=ints((B, MAX_BANNED_TOKENS), config.vocab_size),
-        want_logprobs=np.zeros((), dtype=np.bool_),
         sampling=SamplingInputs.neutral(B),
         history=history,
         prompt_targets=ints(T, NO_TARGET) if variant.prompt_logprobs else None,
@@ -436,9 +472,8 @@ def make_step_inputs(
     _fill_carried(inputs, batch, previous)
     _fill_banned(inputs, batch)
     _fill_sampling(inputs.sampling, batch)
-    inputs.want_logprobs[()] = any(row.request.sampling_params.logprobs is not None for row in rows)
     if inputs.history is not None:
-        _fill_history(inputs.history, batch)
+        _fill_history(inputs.history, batch, inputs.carried_mask)
     if inputs.prompt_targets is not None:
         _fill_prompt_targets(inputs.prompt_targets, batch)
     return inputs, bucket, variant
@@ -524,10 +559,12 @@ def _fill_sampling(sampling: SamplingInputs, batch: ScheduledBatch) -> None:
     sampling.generation_index[:n] = [row.generation_index for row in batch.rows]
 
 
-def _fill_history(history: TokenHistory, batch: ScheduledBatch) -> None:
-    """Each row's known prompt and output tokens (the pending one, if any, is filled on the device)."""
+def _fill_history(history: TokenHistory, batch: ScheduledBatch, carried_mask: np.ndarray) -> None:
+    """Each row's known prompt and output tokens; a carried (pending) one's column, filled on the device."""
     history_len = history.token_ids.shape[1]
     for b, row in enumerate(batch.rows):
+        if carried_mask[b]:
+            history.carried_column[b] = row.start + row.num_tokens - 1
         request = row.request
         known = request.token_ids[: min(row.start + row.num_tokens, len(request.token_ids))]
         if len(known) > history_len:

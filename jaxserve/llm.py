@@ -42,7 +42,8 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def default_max_batch_size() -> int:
-    return 8 if jax.default_backend() == "cpu" else 256
+    """8 on CPU; on an accelerator the upper bound of the size the engine picks from the KV pool."""
+    return 8 if jax.default_backend() == "cpu" else max(capacity.AUTO_BATCH_SIZES)
 
 
 class LLM:
@@ -55,7 +56,8 @@ class LLM:
         the model's own.
     dtype: "auto" loads a checkpoint in bfloat16 on an accelerator and float32 on CPU and serves a
         `LoadedModel` in its own dtype; "float32" / "bfloat16" / "float16" loads, or casts, the weights to it.
-    max_batch_size: sequences per step (default 256 on GPU, 8 on CPU); max_num_tokens: tokens per
+    max_batch_size: sequences per step (default 8 on CPU; on a GPU 1024, 512 or 256, the largest whose
+        sequences of 256 tokens the KV pool holds); max_num_tokens: tokens per
         step (default 8192, at most max_batch_size * max_seq_len); max_seq_len: from the model config
         when None (a larger value is lowered to it, with a warning).
     tensor_parallel_size: devices the weights and the KV cache are split over.
@@ -86,6 +88,7 @@ class LLM:
         self.config = make_engine_config(
             loaded.hf_config,
             max_batch_size=default_max_batch_size() if max_batch_size is None else max_batch_size,
+            auto_max_batch_size=max_batch_size is None and jax.default_backend() != "cpu",
             max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len,
             kv_cache=kv_cache_config,

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxserve.sampler import two_stage_top_k
+
 # Tokens per slice of the prompt-logprobs computation: the logits of one slice ([slice, V] float32) are
 # all it holds at once.
 PROMPT_LOGPROBS_SLICE = 512
@@ -51,8 +53,8 @@ def token_logprobs(logits: Float[Array, "R V"], token_ids: Int[Array, " R"], num
     if num_top == 0:
         empty = no_token_logprobs(logits.shape[0], 0)
         return TokenLogprobs(chosen, rank, empty.top_logprobs, empty.top_ids)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
-    return TokenLogprobs(chosen, rank, top_logprobs, top_ids.astype(jnp.int32))
+    top_logprobs, top_ids = two_stage_top_k(logprobs, num_top)  # lax.top_k's result without its full sort
+    return TokenLogprobs(chosen, rank, top_logprobs, top_ids)
 
 
 def no_token_logprobs(num_rows: int, num_top: int) -> TokenLogprobs:

@@ -1,22 +1,27 @@
-"""The model runner: owns the weights, the paged KV cache, the mesh and the compiled steps, one per
-(bucket, StepVariant), and runs a step: `run(inputs, bucket, variant) -> StepOutput` (device arrays,
-not awaited).
+"""The model runner: owns the weights, the paged KV cache, the mesh and the compiled executables, and
+runs a step: `run(inputs, bucket, variant) -> StepOutput` (device arrays, not awaited).
 
 Lifecycle (DESIGN.md "Runner lifecycle and KV capacity"):
     runner = Runner(spec, weights, mesh)       # the serving layout of the weights, placed by sharding/rules.py
     profile = runner.profile()                  # the largest step compiled and run over a probe pool
     budget = capacity.kv_budget(profile, config)
-    runner.start(budget.num_blocks)             # allocates the pool, compiles every (bucket, variant)
+    runner.start(budget.num_blocks)             # allocates the pool, compiles every forward and sampler
 
-One compiled step (`step_fn`) does, on the device:
-  1. gathers the tokens the previous step sampled into this step's token_ids (overlap);
-  2. the model's forward over the flat token batch, writing K/V into the donated cache;
-  3. logits at each sequence's last token, min_tokens bans, the sampler, and the logprobs rows ask
-     for; prompt-logprobs variants also score every flat token's next prompt token.
-Under tensor parallelism the weights and the cache are split over the mesh's model axis by the rules
-table (the Pallas kernels run per device under shard_map, models/attention.py). It is the JAX
-stand-in for a captured CUDA graph: shapes and variants are fixed at start, and a step that was not
-compiled then is refused with an error naming its shape and variant.
+One step is two compiled calls, dispatched back to back without waiting:
+  1. the forward (`forward_fn`, one per (bucket, prompt_logprobs)): gathers the tokens the previous
+     step sampled into this step's token_ids (overlap), runs the model over the flat token batch,
+     writing K/V into the donated cache, and returns the logits at each sequence's last token with
+     the min_tokens bans applied; prompt-logprobs forwards also score every flat token's next prompt
+     token;
+  2. the sampler (`sampler_fn`, one per (rows, sampler mode, penalties)): penalties, the sampler, the
+     sampled tokens' logprobs, and the next PRNG key.
+Splitting them keeps the compile count down: a forward serves every sampling mode, and a sampler
+(no model in it) compiles in a fraction of a second. Neither has a device-side conditional, so the
+host never waits inside a call. Under tensor parallelism the weights and the cache are split over
+the mesh's model axis by the rules table (the Pallas kernels run per device under shard_map,
+models/attention.py). The executables are the JAX stand-in for captured CUDA graphs: shapes and
+variants are fixed at start, and a step that was not compiled then is refused with an error naming
+its shape and variant.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -35,7 +41,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from jaxserve import capacity
-from jaxserve.inputs import Bucket, StepConfig, StepInputs, StepVariant, TokenHistory, padding_inputs
+from jaxserve.inputs import (
+    Bucket,
+    SamplerMode,
+    SamplingInputs,
+    StepConfig,
+    StepInputs,
+    StepVariant,
+    TokenHistory,
+    padding_inputs,
+)
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
 from jaxserve.sampler import sample
 from models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
@@ -67,6 +82,18 @@ class StepOutput:
     prompt_logprobs: TokenLogprobs | None = None
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """What the forward returns: float32 logits at each row's last token (min_tokens bans applied) and
+    each row's last input token (a carried one filled in: the newest history entry), for the sampler;
+    the prompt logprobs of prompt-logprobs forwards."""
+
+    logits: Float[Array, "B V"]
+    last_tokens: Int[Array, " B"]
+    prompt_logprobs: TokenLogprobs | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerSpec:
     """What fixes the compiled steps: the model, the step shapes and variants, dtype, backend."""
@@ -77,21 +104,21 @@ class RunnerSpec:
     dtype: jnp.dtype  # weights, activations and KV cache
     backend: str  # "pallas" | "xla"
     num_top_logprobs: int
+    compile_threads: int = 1
 
 
-def step_fn(
+def forward_fn(
     weights: Any,
     kv_cache: PagedKVCache,
     inputs: StepInputs,
     previous_tokens: Int[Array, " Bmax"],
-    key: Array,
     *,
     spec: RunnerSpec,
     mesh: Mesh | None,
     bucket: Bucket,
-    variant: StepVariant,
-) -> tuple[StepOutput, PagedKVCache]:
-    """One engine step on the device (see the module docstring); `mesh` when tensor-parallel."""
+    prompt_logprobs: bool,
+) -> tuple[ForwardOutput, PagedKVCache]:
+    """The model part of one step on the device (see the module docstring); `mesh` when tensor-parallel."""
     family, cfg = spec.family, spec.cfg
     token_ids = _gather_carried(inputs, previous_tokens)
     meta = PagedAttentionMetadata(
@@ -108,16 +135,38 @@ def step_fn(
     logits = family.compute_logits(weights, hidden[inputs.logits_indices], cfg)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, inputs.banned_tokens].set(-jnp.inf, mode="drop")
-    history = _with_carried_history(inputs, token_ids) if variant.penalties else None
-    key, next_key = jax.random.split(key)
-    sampled = sample(logits, inputs.sampling, key, history=history, greedy_only=variant.greedy)
-    logprobs = _sampled_logprobs(logits, sampled, inputs.want_logprobs, spec.num_top_logprobs, variant)
     prompt = None
-    if variant.prompt_logprobs:
+    if prompt_logprobs:
         score = partial(_raw_logits, weights, family=family, cfg=cfg)
         prompt = prompt_token_logprobs(score, hidden, inputs.prompt_targets, spec.num_top_logprobs)
-    padded = jnp.zeros_like(previous_tokens).at[: sampled.shape[0]].set(sampled)
-    return StepOutput(padded, logprobs, next_key, prompt), kv_cache
+    return ForwardOutput(logits, token_ids[inputs.logits_indices], prompt), kv_cache
+
+
+def sampler_fn(
+    logits: Float[Array, "B V"],
+    last_tokens: Int[Array, " B"],
+    sampling: SamplingInputs,
+    history: TokenHistory | None,
+    key: Array,
+    *,
+    spec: RunnerSpec,
+    mode: SamplerMode,
+) -> tuple[Int[Array, " Bmax"], TokenLogprobs, Array]:
+    """The sampling part of one step: the tokens padded to max_batch_size rows (so the next step can
+    gather from them whatever bucket either used), their logprobs (zeros in the GREEDY mode), the next
+    key. A history (penalties) gets each carried token written in first."""
+    if history is not None:
+        rows = jnp.arange(last_tokens.shape[0])
+        filled = history.token_ids.at[rows, history.carried_column].set(last_tokens, mode="drop")
+        history = TokenHistory(filled, history.num_prompt_tokens, history.carried_column)
+    key, next_key = jax.random.split(key)
+    sampled = sample(logits, sampling, key, mode=mode, history=history)
+    if mode is SamplerMode.GREEDY:
+        logprobs = no_token_logprobs(logits.shape[0], spec.num_top_logprobs)
+    else:
+        logprobs = token_logprobs(logits, sampled, spec.num_top_logprobs)
+    padded = jnp.zeros(spec.steps.buckets.max_batch_size, jnp.int32).at[: sampled.shape[0]].set(sampled)
+    return padded, logprobs, next_key
 
 
 def _gather_carried(inputs: StepInputs, previous_tokens: Int[Array, " Bmax"]) -> Int[Array, " T"]:
@@ -128,41 +177,16 @@ def _gather_carried(inputs: StepInputs, previous_tokens: Int[Array, " Bmax"]) ->
     return inputs.token_ids.at[target].set(previous_tokens[inputs.carried_source], mode="drop")
 
 
-def _with_carried_history(inputs: StepInputs, token_ids: Int[Array, " T"]) -> TokenHistory:
-    """The token history with each carried token, the newest entry of its row, written in."""
-    history = inputs.history
-    carried = token_ids[inputs.logits_indices]
-    column = jnp.where(inputs.carried_mask, inputs.positions[inputs.logits_indices], history.token_ids.shape[1])
-    rows = jnp.arange(column.shape[0])
-    return TokenHistory(history.token_ids.at[rows, column].set(carried, mode="drop"), history.num_prompt_tokens)
-
-
-def _sampled_logprobs(
-    logits: Float[Array, "B V"], sampled: Int[Array, " B"], wanted: Array, num_top: int, variant: StepVariant
-) -> TokenLogprobs:
-    """The sampled tokens' logprobs, computed only in steps where a row asked for them.
-
-    top_k over the vocabulary costs 2.2 ms for 256 x 128256 on an H200 (an argmax 0.05 ms). The general
-    variants decide on the device; greedy variants have no row that asks.
-    """
-    rows = logits.shape[0]
-    if variant.greedy:
-        return no_token_logprobs(rows, num_top)
-    return jax.lax.cond(
-        wanted,
-        lambda lg, t: token_logprobs(lg, t, num_top),
-        lambda lg, t: no_token_logprobs(rows, num_top),
-        logits,
-        sampled,
-    )
-
-
 def _raw_logits(weights: Any, hidden: Float[Array, "S D"], *, family: ModelFamily, cfg: ModelConfig) -> Array:
     return family.compute_logits(weights, hidden, cfg)
 
 
+ForwardKey = tuple[Bucket, bool]  # (bucket, prompt_logprobs)
+SamplerKey = tuple[int, SamplerMode, bool]  # (rows, sampler mode, penalties)
+
+
 class Runner:
-    """Weights, KV cache and the compiled step per (bucket, variant); see the module docstring."""
+    """Weights, KV cache and the compiled forwards and samplers; see the module docstring."""
 
     def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh | None = None, seed: int = 0) -> None:
         self.spec = spec
@@ -176,12 +200,17 @@ class Runner:
         self.num_blocks = 0
         self._seed, self._recoveries = seed, 0
         self._reset_step_state(jax.random.PRNGKey(seed))
-        self._compiled: dict[tuple[Bucket, StepVariant], jax.stages.Compiled] = {}
+        self._forwards: dict[ForwardKey, jax.stages.Compiled] = {}
+        self._samplers: dict[SamplerKey, jax.stages.Compiled] = {}
 
     @property
     def compiled_steps(self) -> tuple[tuple[Bucket, StepVariant], ...]:
-        """The (bucket, variant) keys compiled so far."""
-        return tuple(self._compiled)
+        """The (bucket, variant) steps whose forward and sampler are both compiled."""
+        return tuple(step for step in self.spec.steps.compiled_steps() if self._executables(*step) is not None)
+
+    @property
+    def num_executables(self) -> int:
+        return len(self._forwards) + len(self._samplers)
 
     # ---- memory ---------------------------------------------------------------------------------
 
@@ -204,10 +233,11 @@ class Runner:
             return capacity.MemoryProfile(per_token)
         bucket, variant = self.spec.steps.largest_step()
         probe_blocks = self.spec.steps.buckets.max_blocks_per_seq + 1
-        compiled = self.compile_step(bucket, variant, probe_blocks)
-        compiled_peak = capacity.activation_peak(compiled)
+        forward = self.compile_forward(bucket, variant.prompt_logprobs, probe_blocks)
+        sampler = self.compile_sampler(bucket.num_seqs, variant.sampler, variant.penalties)
+        compiled_peak = max(capacity.activation_peak(forward), capacity.activation_peak(sampler))
         before = [capacity.device_memory(d) for d in devices]
-        self.probe_step(compiled, bucket, variant, probe_blocks)
+        self.probe_step(forward, sampler, bucket, variant, probe_blocks)
         peaks = [capacity.peak_bytes_in_use(d) for d in devices]
         # The probe step's peak above what was in use before it (its small pool included: conservative).
         # peak_bytes_in_use never resets, so a load-time peak can hide the step's: the compiled figure
@@ -227,76 +257,123 @@ class Runner:
         memory = [capacity.device_memory(d) for d in devices]
         return capacity.MemoryProfile(per_token, tuple(capacity.DeviceMemory(lim, use, peak) for lim, use in memory))
 
-    def probe_step(self, compiled: jax.stages.Compiled, bucket: Bucket, variant: StepVariant, num_blocks: int) -> None:
+    def probe_step(
+        self,
+        forward: jax.stages.Compiled,
+        sampler: jax.stages.Compiled,
+        bucket: Bucket,
+        variant: StepVariant,
+        num_blocks: int,
+    ) -> None:
         """Runs a step compiled for a small pool once on an all-padding batch (for its memory peak)."""
         inputs = padding_inputs(bucket, variant, self.spec.steps)
-        out, _ = compiled(self.weights, self._zero_cache(num_blocks), inputs, self._previous, self._key)
-        jax.block_until_ready(out)
+        out, _ = forward(self.weights, self._zero_cache(num_blocks), replace(inputs, history=None), self._previous)
+        jax.block_until_ready(sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key))
+
+    def set_steps(self, steps: StepConfig) -> None:
+        """Replaces the step table before `start` (the engine lowers max_batch_size once the pool is sized)."""
+        if self.kv_cache is not None:
+            raise RuntimeError("the step table is fixed once the runner is started")
+        self.spec = replace(self.spec, steps=steps)
+        self._reset_step_state(self._key)
 
     # ---- compilation ----------------------------------------------------------------------------
 
     def start(self, num_blocks: int, show_progress: bool = True) -> float:
-        """Allocates the zeroed pool of num_blocks blocks and compiles every (bucket, variant) of
-        `StepConfig.compiled_steps`; returns the seconds compiling took."""
+        """Allocates the zeroed pool of num_blocks blocks and compiles every forward and sampler of the
+        StepConfig (`forwards`, `samplers`), spec.compile_threads at a time; returns the seconds taken."""
         from tqdm.auto import tqdm
 
         if self.kv_cache is not None:
             raise RuntimeError("the runner is started once")
         self.kv_cache, self.num_blocks = self._zero_cache(num_blocks), num_blocks
-        steps = self.spec.steps.compiled_steps()
+        steps = self.spec.steps
+        jobs: list[tuple[str, Any, Any]] = [
+            ("forward", key, partial(self.compile_forward, *key, num_blocks)) for key in steps.forwards()
+        ]
+        jobs += [("sampler", key, partial(self.compile_sampler, *key)) for key in steps.samplers()]
         start = time.perf_counter()
-        for bucket, variant in tqdm(steps, desc="compiling step buckets", disable=not show_progress):
+
+        def compile_one(job: tuple[str, Any, Any]) -> tuple[str, Any, jax.stages.Compiled, float]:
+            kind, key, build = job
             t0 = time.perf_counter()
-            self._compiled[bucket, variant] = self.compile_step(bucket, variant, num_blocks)
-            logger.info(
-                "compiled T=%d B=%d%s %s in %.2fs",
-                bucket.num_tokens,
-                bucket.num_seqs,
-                " (decode)" if bucket.decode_only else "",
-                variant,
-                time.perf_counter() - t0,
-            )
+            return kind, key, build(), time.perf_counter() - t0
+
+        with ThreadPoolExecutor(max_workers=self.spec.compile_threads) as pool:
+            done = pool.map(compile_one, jobs)  # in order: forwards (the long ones) start first
+            for kind, key, compiled, seconds in tqdm(
+                done, total=len(jobs), desc="compiling", disable=not show_progress
+            ):
+                (self._forwards if kind == "forward" else self._samplers)[key] = compiled
+                logger.info("compiled %s %s in %.2fs", kind, _describe(kind, key), seconds)
         total = time.perf_counter() - start
-        logger.info("warmup: %d step variants in %.1fs", len(steps), total)
+        logger.info(
+            "warmup: %d forwards and %d samplers in %.1fs (%d threads)",
+            len(self._forwards),
+            len(self._samplers),
+            total,
+            self.spec.compile_threads,
+        )
         return total
 
-    def compile_step(self, bucket: Bucket, variant: StepVariant, num_blocks: int) -> jax.stages.Compiled:
-        """Lowers and compiles one step for a pool of num_blocks blocks (`start` keeps the results)."""
+    def compile_forward(self, bucket: Bucket, prompt_logprobs: bool, num_blocks: int) -> jax.stages.Compiled:
+        """Lowers and compiles one bucket's forward for a pool of num_blocks blocks."""
         tensor_parallel = self.mesh.shape[MODEL_AXIS] > 1
         fn = partial(
-            step_fn, spec=self.spec, mesh=self.mesh if tensor_parallel else None, bucket=bucket, variant=variant
+            forward_fn,
+            spec=self.spec,
+            mesh=self.mesh if tensor_parallel else None,
+            bucket=bucket,
+            prompt_logprobs=prompt_logprobs,
         )
-        jitted = jax.jit(fn, donate_argnames=("kv_cache",))  # updated in place
-        return jitted.lower(*self._abstract_args(bucket, variant, num_blocks)).compile()
-
-    def _abstract_args(self, bucket: Bucket, variant: StepVariant, num_blocks: int) -> tuple:
-        def abstract(x: Any, sharding: Any = self._replicated) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        weights = jax.tree.map(lambda w: abstract(w, w.sharding), self.weights)
+        weights = jax.tree.map(lambda w: self._abstract(w, w.sharding), self.weights)
         specs = self.cache_specs(num_blocks)
-        shardings = named_shardings(specs, self.mesh)
         cache = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh), specs, shardings
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh),
+            specs,
+            named_shardings(specs, self.mesh),
         )
-        inputs = jax.tree.map(abstract, padding_inputs(bucket, variant, self.spec.steps))
-        return weights, cache, inputs, abstract(self._previous), abstract(self._key)
+        inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), self.spec.steps)
+        args = (weights, cache, jax.tree.map(self._abstract, inputs), self._abstract(self._previous))
+        return jax.jit(fn, donate_argnames=("kv_cache",)).lower(*args).compile()  # the pool updated in place
+
+    def compile_sampler(self, rows: int, mode: SamplerMode, penalties: bool) -> jax.stages.Compiled:
+        """Lowers and compiles the sampler for `rows` rows in one mode, with or without penalties."""
+        padding = padding_inputs(Bucket(rows, rows), StepVariant(mode, penalties), self.spec.steps)
+        logits = jax.ShapeDtypeStruct((rows, self.spec.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        last_tokens = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
+        sampling, history = (jax.tree.map(self._abstract, x) for x in (padding.sampling, padding.history))
+        fn = partial(sampler_fn, spec=self.spec, mode=mode)
+        return jax.jit(fn).lower(logits, last_tokens, sampling, history, self._abstract(self._key)).compile()
+
+    def _abstract(self, x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if sharding is not None else self._replicated)
+
+    def _executables(
+        self, bucket: Bucket, variant: StepVariant
+    ) -> tuple[jax.stages.Compiled, jax.stages.Compiled] | None:
+        forward = self._forwards.get((bucket, variant.prompt_logprobs))
+        sampler = self._samplers.get((bucket.num_seqs, variant.sampler, variant.penalties))
+        return None if forward is None or sampler is None else (forward, sampler)
 
     # ---- one step -------------------------------------------------------------------------------
 
     def run(self, inputs: StepInputs, bucket: Bucket, variant: StepVariant) -> StepOutput:
-        """Dispatches the step compiled for (bucket, variant); returns its device outputs without waiting."""
-        compiled = self._compiled.get((bucket, variant))
-        if compiled is None:
-            shapes = [(b.num_tokens, b.num_seqs, b.decode_only, str(v)) for b, v in self._compiled]
+        """Dispatches the step's forward and sampler; returns their device outputs without waiting."""
+        executables = self._executables(bucket, variant)
+        if executables is None:
+            forwards = [(b.num_tokens, b.num_seqs, b.decode_only, scoring) for b, scoring in self._forwards]
+            samplers = [(rows, mode.value, penalties) for rows, mode, penalties in self._samplers]
             raise RuntimeError(
                 f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} decode_only={bucket.decode_only} "
-                f"variant={variant}: steps are compiled only at start (compiled (T, B, decode_only, variant): "
-                f"{shapes})"
+                f"variant={variant}: steps are compiled only at start (forwards (T, B, decode_only, "
+                f"prompt_logprobs): {forwards}; samplers (rows, mode, penalties): {samplers})"
             )
-        out, self.kv_cache = compiled(self.weights, self.kv_cache, inputs, self._previous, self._key)
-        self._previous, self._key = out.token_ids, out.key
-        return out
+        forward, sampler = executables
+        out, self.kv_cache = forward(self.weights, self.kv_cache, replace(inputs, history=None), self._previous)
+        tokens, logprobs, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key)
+        self._previous, self._key = tokens, key
+        return StepOutput(tokens, logprobs, key, out.prompt_logprobs)
 
     def _reset_step_state(self, key: Array) -> None:
         """The device state one step hands the next: its sampled tokens (zeros: none) and the PRNG key."""
@@ -317,6 +394,15 @@ class Runner:
             logger.warning("reallocating the KV pool after a failed step", exc_info=True)
             self.kv_cache = None  # frees the old buffers before the new ones are taken
             self.kv_cache = self._zero_cache(self.num_blocks)
+
+
+def _describe(kind: str, key: Any) -> str:
+    if kind == "forward":
+        bucket, scoring = key
+        decode = " (decode)" if bucket.decode_only else ""
+        return f"T={bucket.num_tokens} B={bucket.num_seqs}{decode}{' +prompt_logprobs' if scoring else ''}"
+    rows, mode, penalties = key
+    return f"B={rows} {mode.value}{' +penalties' if penalties else ''}"
 
 
 def _check_heads_divide(spec: RunnerSpec, tp: int) -> None:
@@ -353,4 +439,7 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     path = cache_dir or default_compilation_cache_dir()
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
+    # Every executable, not only those that took over a second to compile: a restart compiles dozens of
+    # samplers of about a second each.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     logger.info("persistent compilation cache: %s", path)

@@ -1,11 +1,18 @@
 """On-device sampling: penalties, temperature, top-k / top-p / min-p and per-request seeds.
 
-Everything here is a pure function of device arrays that the runner traces inside its compiled step,
-with no data-dependent shapes. Work a batch does not need (the filters' sort, the draw) is skipped with
-lax.cond; the `greedy_only` variant has none (why that matters on a GPU: docs/benchmarks.md, "Third 8B
-run"). The host side (validation of SamplingParams, stop conditions) lives in `sampling.py`, the
-per-row arrays in `inputs.SamplingInputs` (registered here as a pytree); logprobs in `logprobs.py`.
-This module only turns one step's logits into tokens.
+Everything here is a pure function of device arrays that the runner compiles as the step's sampler,
+with no data-dependent shapes and no device-side conditional: a `lax.cond` makes the call that
+launches it wait for the device to reach the predicate (docs/benchmarks.md, "Third 8B run"), which
+would stall the host behind every sampling step. What a batch needs is chosen on the host instead,
+as the sampler mode (`SamplerMode`, part of `inputs.StepVariant`):
+
+- GREEDY: every row is greedy and none asks for logprobs: an argmax.
+- CANDIDATES: the filters are cut from each row's NUM_CANDIDATES most likely tokens, found in two
+  cheap stages (`two_stage_top_k`); exact whenever every row's top-k fits the candidates and every top-p row
+  has such a top-k (the host checks, `inputs.sampler_mode`); min-p needs only the maximum.
+- SORTED: the filters are cut from a descending sort of each row's whole vocabulary (any top-p).
+The host side (validation of SamplingParams, stop conditions) lives in `sampling.py`, the per-row
+arrays in `inputs.SamplingInputs` (registered here as a pytree); logprobs in `logprobs.py`.
 
 Semantics follow vLLM:
 - order: penalties -> temperature -> top-k -> top-p -> min-p -> sample;
@@ -13,11 +20,11 @@ Semantics follow vLLM:
   of its penalised logits, so top_k=1 equals greedy exactly, ties included;
 - top-k keeps the k largest logits, top-p the smallest set of most likely tokens whose probability
   (renormalised after top-k) reaches top_p, min-p the tokens whose probability is at least min_p times
-  the most likely one's. All three are cut from one descending sort per row and applied as one logit
-  threshold, so a token tied with the last kept token is kept too;
+  the most likely one's. The three are applied as one logit threshold, so a token tied with the last
+  kept token is kept too;
 
-Shape legend: B sequences (rows), V vocab, S token-history length. A one-letter shape is written " B":
-jaxtyping ignores the space, and linters no longer read it as a name.
+Shape legend: B sequences (rows), V vocab, S token-history length, K candidates. A one-letter shape
+is written " B": jaxtyping ignores the space, and linters no longer read it as a name.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.inputs import SamplingInputs, TokenHistory
+from jaxserve.inputs import NUM_CANDIDATES, SamplerMode, SamplingInputs, TokenHistory
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by a smaller value only
 # risks overflow, and the distribution is already a point mass in float32.
 GREEDY_TEMPERATURE = 1e-5
+# Vocabulary entries per chunk in `top_k`'s first stage.
+TOP_K_CHUNK = 128
 
 jax.tree_util.register_dataclass(SamplingInputs)
 jax.tree_util.register_dataclass(TokenHistory)
@@ -41,10 +50,10 @@ def sample(
     params: SamplingInputs,
     key: Array,
     *,
+    mode: SamplerMode,
     history: TokenHistory | None = None,
-    greedy_only: bool = False,
 ) -> Int[Array, " B"]:
-    """One token per row (see the module docstring for the semantics).
+    """One token per row (see the module docstring for the semantics and the modes).
 
     `key` is this step's PRNG key (a typed key or raw uint32 key data); unseeded rows use it folded
     with their row index, so the runner must pass a fresh key every step.
@@ -54,27 +63,45 @@ def sample(
     spares the host building and sending the [B, S] history, and returns the same tokens when every
     row's penalties are neutral. With a history they are applied to every row (neutral rows come out
     bit-identical): the caller passes one only when some row has a penalty.
-
-    `greedy_only` (static): the caller promises every row is greedy; the step is an argmax with no
-    conditional.
     """
     logits = logits.astype(jnp.float32)
-    # Work the batch does not need is skipped with lax.cond. Measured on an H200 for 256 rows of a 49k
-    # vocabulary: the sort takes 0.9 ms (2.1 ms at 128k) against 0.07 ms for an argmax.
     penalised = logits if history is None else apply_penalties(logits, params, history)
-    if greedy_only:
-        return jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    if mode is SamplerMode.GREEDY:
+        return greedy_tokens
 
     is_greedy = (params.temperature < GREEDY_TEMPERATURE) | (params.top_k == 1)
     scaled = penalised / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
-    vocab = logits.shape[-1]
-    has_filter = ((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0) | (params.min_p > 0.0)
-    threshold = jax.lax.cond(
-        jnp.any(has_filter & ~is_greedy), _filter_threshold, _keep_all, scaled, params.top_k, params.top_p, params.min_p
-    )
+    if mode is SamplerMode.SORTED:
+        threshold = _sorted_threshold(scaled, params.top_k, params.top_p, params.min_p)
+    else:
+        threshold = _candidate_threshold(scaled, params.top_k, params.top_p, params.min_p)
     filtered = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
-    sampled = jax.lax.cond(jnp.any(~is_greedy), _gumbel_max, _no_draw, filtered, params, key)
-    return jnp.where(is_greedy, jnp.argmax(penalised, axis=-1), sampled).astype(jnp.int32)
+    return jnp.where(is_greedy, greedy_tokens, _gumbel_max(filtered, params, key))
+
+
+def two_stage_top_k(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
+    """`jax.lax.top_k(x, k)` (same values, same ids, ties to the lower id) in two cheaper stages.
+
+    XLA's GPU top-k sorts whole rows for k beyond a few, 2.2 ms for 256 x 128256. Here: the maximum
+    of every TOP_K_CHUNK-wide chunk, the k chunks with the largest maxima (a top-k over V / 128
+    values), then a top-k over those chunks' k * 128 entries. Exact: each of the k largest entries
+    lies in a chunk whose maximum is at least that entry, and fewer than k chunks can have a larger
+    maximum without k entries above it.
+    """
+    batch, vocab = x.shape
+    num_chunks = -(-vocab // TOP_K_CHUNK)
+    if num_chunks <= k:
+        values, ids = jax.lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
+    padded = jnp.pad(x, ((0, 0), (0, num_chunks * TOP_K_CHUNK - vocab)), constant_values=-jnp.inf)
+    chunks = padded.reshape(batch, num_chunks, TOP_K_CHUNK)
+    _, best_chunks = jax.lax.top_k(jnp.max(chunks, axis=-1), k)
+    best_chunks = jnp.sort(best_chunks, axis=-1)  # ascending ids: ties resolve to the lower id, as lax.top_k's
+    entries = jnp.take_along_axis(chunks, best_chunks[:, :, None], axis=1).reshape(batch, k * TOP_K_CHUNK)
+    values, where = jax.lax.top_k(entries, k)
+    ids = jnp.take_along_axis(best_chunks, where // TOP_K_CHUNK, axis=-1) * TOP_K_CHUNK + where % TOP_K_CHUNK
+    return values, ids.astype(jnp.int32)
 
 
 def apply_penalties(logits: Float[Array, "B V"], params: SamplingInputs, history: TokenHistory) -> Float[Array, "B V"]:
@@ -102,7 +129,7 @@ def apply_penalties(logits: Float[Array, "B V"], params: SamplingInputs, history
     return penalised - params.presence_penalty[:, None] * (counts > 0)
 
 
-def _filter_threshold(
+def _sorted_threshold(
     scaled: Float[Array, "B V"], top_k: Int[Array, " B"], top_p: Float[Array, " B"], min_p: Float[Array, " B"]
 ) -> Float[Array, " B"]:
     """The smallest temperature-scaled logit a row keeps after top-k, top-p and min-p.
@@ -132,6 +159,38 @@ def _filter_threshold(
     return jnp.take_along_axis(ordered, (num_kept - 1)[:, None], axis=-1)[:, 0]
 
 
+def _candidate_threshold(
+    scaled: Float[Array, "B V"], top_k: Int[Array, " B"], top_p: Float[Array, " B"], min_p: Float[Array, " B"]
+) -> Float[Array, " B"]:
+    """`_sorted_threshold` from each row's NUM_CANDIDATES best logits: the same threshold when the row's
+    top-k (if any) is at most NUM_CANDIDATES and its top-p (if any) comes with such a top-k.
+
+    The three filters are thresholds on the logit: top-k's is the k-th largest, min-p's the maximum plus
+    log(min_p), top-p's the last logit of the descending prefix whose renormalised mass reaches top_p.
+    A row without top-k whose top-p is below 1 would need the whole vocabulary's mass: the host sends
+    such a batch to the SORTED mode. (Entries tied with the k-th beyond the candidates would count in
+    the top-p normalisation of the sorted mode and do not here.)
+    """
+    vocab = scaled.shape[-1]
+    num = min(NUM_CANDIDATES, vocab)
+    candidates, _ = two_stage_top_k(scaled, num)
+    has_top_k = (top_k > 0) & (top_k < vocab)
+    kth_largest = jnp.take_along_axis(candidates, (jnp.clip(top_k, 1, num) - 1)[:, None], axis=-1)
+    kth_largest = jnp.where(has_top_k[:, None], kth_largest, -jnp.inf)
+    in_top_k = candidates >= kth_largest
+
+    probs = jax.nn.softmax(jnp.where(in_top_k, candidates, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    kept = in_top_k & in_top_p
+    num_kept = jnp.maximum(jnp.where(kept.all(axis=-1), num, jnp.argmin(kept, axis=-1)), 1)
+    top_p_threshold = jnp.take_along_axis(candidates, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    top_p_threshold = jnp.where(top_p < 1.0, top_p_threshold, -jnp.inf)
+    # p >= min_p * p_max  <=>  z >= z_max + log(min_p); min_p = 0 gives -inf, which keeps everything.
+    min_p_threshold = candidates[:, 0] + jnp.log(min_p)
+    return jnp.maximum(jnp.maximum(kth_largest[:, 0], top_p_threshold), min_p_threshold)
+
+
 def _gumbel_max(filtered: Float[Array, "B V"], params: SamplingInputs, key: Array) -> Int[Array, " B"]:
     """One exact draw per row from softmax(filtered).
 
@@ -141,14 +200,6 @@ def _gumbel_max(filtered: Float[Array, "B V"], params: SamplingInputs, key: Arra
     keys = _row_keys(params, key)
     noise = jax.vmap(lambda row_key: jax.random.gumbel(row_key, filtered.shape[-1:], jnp.float32))(keys)
     return jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
-
-
-def _no_draw(filtered: Float[Array, "B V"], params: SamplingInputs, key: Array) -> Int[Array, " B"]:
-    return jnp.zeros(filtered.shape[:1], jnp.int32)
-
-
-def _keep_all(scaled: Float[Array, "B V"], *filters: object) -> Float[Array, " B"]:
-    return jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype)
 
 
 def _row_keys(params: SamplingInputs, key: Array) -> Array:

@@ -38,7 +38,7 @@ ENGINE_KEYS = {
     "load_s",
     "init_s",
     "warmup_s",
-    "compiled_steps",
+    "compiled_executables",
 }
 STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
 PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
@@ -277,7 +277,7 @@ def test_the_throughput_report_and_its_json_keys():
     for line in ["requests            6", "output tokens       24 (4.0 per request)", "elapsed             0.500 s"]:
         assert line in table
     assert "output throughput   48.0 tok/s" in table and "request throughput  12.00 req/s" in table
-    assert "peak usage 50.0%" in table and "(compiling 4 steps: 1.50 s)" in table
+    assert "peak usage 50.0%" in table and "(compiling 4 executables: 1.50 s)" in table
     tpot_row = next(line for line in table.splitlines() if line.startswith("TPOT (ms)"))
     assert tpot_row.split() == ["TPOT", "(ms)", "-", "-", "-", "-"]
     record = json.loads(bench.report(result, as_json=True))
@@ -365,7 +365,8 @@ def test_throughput_end_to_end_on_random_weights(capsys):
     engine = record["engine"]
     assert engine["model"] == "tiny-llama (random weights)" and engine["backend"] == "xla"
     assert (engine["max_batch_size"], engine["max_num_tokens"], engine["max_seq_len"]) == (4, 32, 12)
-    assert engine["compiled_steps"] == 4 and engine["kv_tokens"] >= 4 * 12
+    # 4 forwards (decode 2, 4; tokens 16, 32) and a sampler per row count (2, 4) and mode (3)
+    assert engine["compiled_executables"] == 4 + 2 * 3 and engine["kv_tokens"] >= 4 * 12
     steps = record["steps"]
     # 6 requests over 4 rows: at least two prefill steps and 3 decode steps for the tokens after the first.
     assert steps["num_steps"] >= 5 and steps["decode_step_ms"] is not None and 0 < steps["peak_kv_usage"] <= 1
@@ -391,7 +392,8 @@ def test_latency_end_to_end_on_random_weights(capsys):
     assert set(record) == LATENCY_KEYS and record["engine"]["max_batch_size"] == 1
     assert (record["batch_size"], record["input_len"], record["output_len"]) == (1, 8, 4)
     assert (record["num_iters"], record["num_warmup"], len(record["iteration_latencies_s"])) == (3, 1, 3)
-    assert record["engine"]["compiled_steps"] == 3  # decode 1, prefill 8, and max_num_tokens = 12
+    # forwards: decode 1, prefill 8, and max_num_tokens = 12; samplers: 1 row in 3 modes
+    assert record["engine"]["compiled_executables"] == 3 + 3
     # Each iteration: one prefill step, then a decode step for each of the 3 tokens after the first.
     assert record["steps"]["num_steps"] >= 3 * 4
     assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_s"]) == PERCENTILE_KEYS

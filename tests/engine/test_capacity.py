@@ -63,9 +63,9 @@ def test_budget_from_one_device_profile_uses_every_term(caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve.capacity"):
         budget = kv_budget(profile(device), engine_config(free_memory_fraction=0.5))
 
-    kv_bytes = int(75 * MiB * 0.5)
-    assert budget.kv_bytes == kv_bytes and budget.bytes_per_block == BYTES_PER_BLOCK
-    assert budget.num_blocks == kv_bytes // BYTES_PER_BLOCK
+    blocks = capacity.stable_num_blocks(int(75 * MiB * 0.5) // BYTES_PER_BLOCK)
+    assert budget.kv_bytes == blocks * BYTES_PER_BLOCK and budget.bytes_per_block == BYTES_PER_BLOCK
+    assert budget.num_blocks == blocks
     assert budget.tokens(BLOCK_SIZE) == (budget.num_blocks - 1) * BLOCK_SIZE  # block 0 is reserved
     assert budget.source == "device memory"
     log = caplog.text
@@ -80,7 +80,22 @@ def test_budget_is_the_smallest_over_devices():
 
     budget = kv_budget(profile(roomy, tight), engine_config())
 
-    assert budget.kv_bytes == int(30 * MiB * 0.9)
+    assert budget.num_blocks == capacity.stable_num_blocks(int(30 * MiB * 0.9) // BYTES_PER_BLOCK)
+
+
+def test_a_measured_pool_is_rounded_to_a_size_that_small_memory_changes_keep():
+    """The pool size is in every compiled step's shapes: runs whose free memory differs by a fraction of
+    a percent (the H200 measured 50251 to 50666 blocks) must get the same pool to reuse cached steps."""
+    sizes = {capacity.stable_num_blocks(n) for n in (50251, 50558, 50579, 50666)}
+    assert sizes == {50176}
+    for n in [*range(1, 200), 1000, 4097, 50666, 10**6 + 7]:
+        rounded = capacity.stable_num_blocks(n)
+        assert n * (1 - 1 / 32) < rounded <= n and capacity.stable_num_blocks(rounded) == rounded
+    # 4550 and 4544 blocks measured: both 4480 (a multiple of 128)
+    device = DeviceMemory(bytes_limit=100 * MiB, bytes_in_use=21 * MiB, activation_peak=0)
+    nudged = DeviceMemory(bytes_limit=100 * MiB, bytes_in_use=21 * MiB + 100 * 1024, activation_peak=0)
+    budgets = [kv_budget(profile(d), engine_config()).num_blocks for d in (device, nudged)]
+    assert budgets == [4480, 4480]
 
 
 def test_default_fraction_on_an_8b_model_leaves_room_for_750k_tokens():
@@ -99,7 +114,8 @@ def test_default_fraction_on_an_8b_model_leaves_room_for_750k_tokens():
         (1000, None, 1000 // BLOCK_SIZE + 2),  # ceil(1000 / 16) = 63 blocks for the tokens, plus block 0
         (None, 70 * BYTES_PER_BLOCK + 5, 70),
         (1000, 40 * BYTES_PER_BLOCK, 40),  # the smaller cap wins
-        (10**9, 10**12, int(90 * MiB * 0.9) // BYTES_PER_BLOCK),  # caps above the measured budget change nothing
+        # caps above the measured budget change nothing
+        (10**9, 10**12, capacity.stable_num_blocks(int(90 * MiB * 0.9) // BYTES_PER_BLOCK)),
     ],
 )
 def test_user_caps(max_tokens, max_total_bytes, expected_blocks):
@@ -237,7 +253,9 @@ def test_engine_sizes_its_pool_from_device_memory_and_a_probe_step(monkeypatch, 
         llm = make_llm(tiny_model("llama"), max_seq_len=64)
     activation = 300 * MiB  # the probe's peak above what was in use: larger than the compiled temp here
     assert "probe step" in caplog.text
-    expected = int((limit - in_use - activation) * 0.9) // llm.engine.kv_budget.bytes_per_block
+    expected = capacity.stable_num_blocks(
+        int((limit - in_use - activation) * 0.9) // llm.engine.kv_budget.bytes_per_block
+    )
     assert llm.engine.kv_budget.num_blocks == expected
     assert llm.engine.kv_budget.source == "device memory"
     assert real_probe(jax.devices()[0]) >= 0  # the real reader answers on CPU too (0: not reported)
@@ -247,6 +265,7 @@ def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypa
     """With prompt-logprobs variants the largest step also holds a slice of full-vocabulary logits: that
     variant (of the largest token bucket) is the one probed."""
     from jaxserve.config import CompileConfig
+    from jaxserve.inputs import SamplerMode
     from jaxserve.runner import Runner
 
     monkeypatch.setattr(capacity, "device_memory", lambda device: (4 * GB, GB))
@@ -254,12 +273,53 @@ def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypa
     probed = []
     original = Runner.probe_step
 
-    def probe_step(self, compiled, bucket, variant, num_blocks):
+    def probe_step(self, forward, sampler, bucket, variant, num_blocks):
         probed.append((bucket, variant))
-        original(self, compiled, bucket, variant, num_blocks)
+        original(self, forward, sampler, bucket, variant, num_blocks)
 
     monkeypatch.setattr(Runner, "probe_step", probe_step)
     config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=False, prompt_logprobs=True)
     make_llm(tiny_model("llama"), max_seq_len=64, max_num_tokens=16, compile_config=config)
     [(bucket, variant)] = probed
     assert variant.prompt_logprobs and not bucket.decode_only and bucket.num_tokens == 16
+    assert variant.sampler is SamplerMode.SORTED  # the sampler with the largest scratch memory
+
+
+def test_auto_max_batch_size_takes_the_largest_size_whose_sequences_the_pool_holds():
+    per_seq = capacity.AUTO_TOKENS_PER_SEQUENCE
+    assert capacity.auto_max_batch_size(1024 * per_seq, 1024) == 1024
+    assert capacity.auto_max_batch_size(1024 * per_seq - 1, 1024) == 512
+    assert capacity.auto_max_batch_size(512 * per_seq - 1, 1024) == 256
+    assert capacity.auto_max_batch_size(10, 1024) == 256  # the smallest: the scheduler admits what fits
+    assert capacity.auto_max_batch_size(10**9, 512) == 512  # never above the upper bound
+    assert capacity.auto_max_batch_size(10**9, 100) == 100
+
+
+@pytest.mark.parametrize(("kv_tokens", "expected"), [(100_000, 256), (300_000, 1024)])
+def test_an_auto_engine_lowers_max_batch_size_to_what_the_pool_holds(
+    monkeypatch, tiny_model, char_tokenizer, kv_tokens, expected
+):
+    """On an accelerator (faked memory statistics) the engine profiles at the upper bound, sizes the pool
+    (here capped by kv_cache.max_tokens), then compiles its buckets for the size the pool holds."""
+    from jaxserve.config import CompileConfig, make_engine_config
+    from jaxserve.engine import Engine
+
+    monkeypatch.setattr(capacity, "device_memory", lambda device: (40 * GB, GB))
+    monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: GB)
+    model = tiny_model("llama")
+    buckets = CompileConfig(decode_batch_sizes=(1, 256, 1024), token_buckets=(1024,), penalty_variants=False)
+    config = make_engine_config(
+        model.hf_config,
+        max_batch_size=1024,
+        max_num_tokens=1024,
+        max_seq_len=64,
+        kv_cache=KvCacheConfig(max_tokens=kv_tokens),
+        compile=buckets,
+        attention_backend="xla",
+        auto_max_batch_size=True,
+    )
+    engine = Engine(model.family, model.config, model.weights, char_tokenizer(), config, show_progress=False)
+    assert engine.config.max_batch_size == expected and not engine.config.auto_max_batch_size
+    assert engine.buckets.max_batch_size == expected and engine.buckets.decode_batch_sizes[-1] == expected
+    assert {b.num_seqs for b, _ in engine.runner.compiled_steps} == {1, 256, expected}
+    assert engine.runner._previous.shape == (expected,)

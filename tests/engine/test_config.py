@@ -83,8 +83,9 @@ def test_compile_config_normalizes_and_rejects():
         CompileConfig(penalty_variants=1)
     with pytest.raises(ValueError, match="prompt_logprobs must be a bool"):
         CompileConfig(prompt_logprobs="yes")
-    with pytest.raises(ValueError, match="greedy_variants must be a bool"):
-        CompileConfig(greedy_variants=1)
+    for threads in (0, 1.5, True):
+        with pytest.raises(ValueError, match="compile_threads must be None or an int >= 1"):
+            CompileConfig(compile_threads=threads)
 
 
 @pytest.mark.parametrize(

@@ -298,29 +298,30 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
     monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_reference", recording)
     config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False)
     make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
-    # Layers run under a scan: each compiled step traces the attention once. (4, 4) is both a decode
-    # bucket and a token bucket: compiled once as each.
+    # Each compiled forward traces the attention once per layer. (4, 4) is both a decode bucket and a
+    # token bucket: compiled once as each.
     assert sorted(set(seen), key=str) == sorted({(2, 1), (4, 1), (4, None), (16, None)}, key=str)
 
 
 # ---- the compiled table -------------------------------------------------------------------------
 
-EVERY_VARIANT = CompileConfig(
-    decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=True, prompt_logprobs=True, greedy_variants=True
-)
+EVERY_VARIANT = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=True, prompt_logprobs=True)
 
 
 def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
     monkeypatch, tiny_model, make_llm, assert_engine_idle
 ):
-    """Warmup compiles exactly StepConfig.compiled_steps(); every step the engine runs, whatever its
-    requests ask for, is one of them (Runner.run refuses anything else, naming it)."""
-    from jaxserve.inputs import Bucket, StepVariant, padding_inputs
+    """Warmup compiles exactly StepConfig.forwards() and samplers(); every step the engine runs, whatever
+    its requests ask for, is one of the steps they serve (Runner.run refuses anything else, naming it)."""
+    from jaxserve.inputs import Bucket, SamplerMode, StepVariant, padding_inputs
     from jaxserve.runner import Runner
 
     llm = make_llm(tiny_model("llama"), kv_tokens=256, compile_config=EVERY_VARIANT)
     runner, steps = llm.engine.runner, llm.engine.steps
     assert runner.compiled_steps == steps.compiled_steps()
+    assert (
+        runner.num_executables == len(steps.forwards()) + len(steps.samplers()) == 5 + 1 * 3 * 2
+    )  # (decode 4, tokens 16, 32, 16 and 32 scoring); 4 rows x 3 modes x 2
     ran: list[tuple[Bucket, StepVariant]] = []
     original = Runner.run
 
@@ -334,19 +335,22 @@ def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
     kinds = [
         SamplingParams(max_tokens=6, temperature=0.0),
         SamplingParams(max_tokens=6, temperature=0.9, seed=1, top_p=0.8),
+        SamplingParams(max_tokens=6, temperature=0.9, seed=2, top_k=20, top_p=0.8),
         SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
         SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.2),
         SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=1),
     ]
-    for chosen in ([kinds[0]] * 8, kinds[:2] * 4, [kinds[2]] * 8, kinds[3:] * 4, [*kinds, *kinds[:3]]):
+    for chosen in ([kinds[0]] * 8, kinds[:2] * 4, kinds[1:3] * 4, [kinds[3]] * 8, kinds[4:] * 4, [*kinds, *kinds[:2]]):
         outputs = llm.generate(prompts, chosen, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
     assert set(ran) <= set(steps.compiled_steps())
-    assert {v for _, v in ran} == set(steps.variants(Bucket(16, 4))), "the workload was meant to use every variant"
+    # The workload was meant to use every sampler mode, with and without penalties and prompt logprobs.
+    assert {v.sampler for _, v in ran} == set(SamplerMode)
+    assert {v.penalties for _, v in ran} == {v.prompt_logprobs for _, v in ran} == {False, True}
     assert_engine_idle(llm)
     decode, scoring = Bucket(4, 4, decode_only=True), StepVariant(prompt_logprobs=True)  # never compiled together
     inputs = padding_inputs(decode, scoring, steps)
-    with pytest.raises(RuntimeError, match=r"no compiled step for T=4 B=4 decode_only=True variant=prompt_logprobs"):
+    with pytest.raises(RuntimeError, match=r"no compiled step for T=4 B=4 decode_only=True variant=candidates\+prompt"):
         original(runner, inputs, decode, scoring)
 
 

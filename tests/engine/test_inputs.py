@@ -14,6 +14,7 @@ from jaxserve.inputs import (
     NO_TARGET,
     Bucket,
     BucketTable,
+    SamplerMode,
     SamplingInputs,
     StepConfig,
     StepVariant,
@@ -44,11 +45,12 @@ def table(max_batch_size=4, max_num_tokens=16, max_seq_len=32, block_size=4, **c
 # ---- bucket rules -------------------------------------------------------------------------------
 
 
-def test_generate_decode_batch_sizes_follows_tensorrt_llm():
-    multiples_of_8 = [8 * i for i in range(1, 17)]
-    assert generate_decode_batch_sizes(128, True) == [1, 2, 4, *multiples_of_8]
-    assert generate_decode_batch_sizes(256, True) == [1, 2, 4, *multiples_of_8, 192, 256]
-    assert generate_decode_batch_sizes(300, True) == [1, 2, 4, *multiples_of_8, 192, 256, 300]
+def test_generate_decode_batch_sizes_is_coarse_with_padding_and_exact_without():
+    powers = [1, 2, 4, 8, 16, 32, 64, 128]
+    assert generate_decode_batch_sizes(128, True) == powers
+    assert generate_decode_batch_sizes(256, True) == [*powers, 192, 256]
+    assert generate_decode_batch_sizes(300, True) == [*powers, 192, 256, 300]
+    assert generate_decode_batch_sizes(1024, True) == [*powers, 192, 256, 384, 512, 640, 768, 896, 1024]
     assert generate_decode_batch_sizes(20, True) == [1, 2, 4, 8, 16, 20]
     assert generate_decode_batch_sizes(1, True) == [1]
     assert generate_decode_batch_sizes(5, False) == [1, 2, 3, 4, 5]
@@ -170,7 +172,7 @@ def test_step_inputs_of_a_mixed_batch():
         assert array.dtype == np.int32, name
         np.testing.assert_array_equal(array, np.array(value, dtype=np.int32), err_msg=name)
     np.testing.assert_array_equal(inputs.carried_mask, [False, False, False, True])
-    assert not inputs.want_logprobs and inputs.history is None and inputs.prompt_targets is None
+    assert inputs.history is None and inputs.prompt_targets is None
 
 
 def test_a_pending_input_the_previous_step_did_not_sample_is_an_error():
@@ -186,7 +188,13 @@ def test_prompt_targets_are_the_next_prompt_token_of_scoring_rows_only():
     rows = [row(a, 4, 5, [7, 3, 9]), row(b, 0, 3, [5], samples=False), row(c, 0, 2, [2], samples=False)]
     batch = ScheduledBatch(rows=rows, num_prefill_rows=3)
     inputs, _, variant = make_step_inputs(batch, None, steps(prompt_logprob_variants=True))
-    assert variant == StepVariant(prompt_logprobs=True)
+    assert variant == StepVariant(SamplerMode.CANDIDATES, prompt_logprobs=True)  # a samples at temperature 1
+    greedy_a = request_with(list(range(100, 109)), "a", prompt_logprobs=2, temperature=0.0)
+    rows[0] = row(greedy_a, 4, 5, [7, 3, 9])  # b and c sample nothing this step: their temperature is moot
+    _, _, variant = make_step_inputs(
+        ScheduledBatch(rows=rows, num_prefill_rows=3), None, steps(prompt_logprob_variants=True)
+    )
+    assert variant == StepVariant(SamplerMode.GREEDY, prompt_logprobs=True)
     none = NO_TARGET
     # a: positions 4..7 score prompt tokens 5..8; position 8 is the last prompt token (it samples).
     expected = [105, 106, 107, 108, none] + [201, 202, 203] + [none, none] + [none] * 6
@@ -223,7 +231,8 @@ def test_sampling_inputs_pad_with_neutral_rows():
     rows = [row(r, 0, 1, [1], generation_index=i) for i, r in enumerate([*seeded, plain, penalised])]
     batch = ScheduledBatch(rows=rows, num_prefill_rows=4)
     inputs, bucket, variant = make_step_inputs(batch, None, steps(max_batch_size=6, penalty_variants=True))
-    assert bucket == Bucket(16, 6) and variant == StepVariant(penalties=True) and inputs.want_logprobs
+    # Sampling rows with a top-k of 3, a greedy one with logprobs: the CANDIDATES sampler, with penalties.
+    assert bucket == Bucket(16, 6) and variant == StepVariant(SamplerMode.CANDIDATES, penalties=True)
     sampling = inputs.sampling
     assert [f.name for f in dataclasses.fields(sampling)] == [
         "temperature",
@@ -296,21 +305,25 @@ def test_token_history_holds_prompt_and_known_outputs():
 # ---- variants -----------------------------------------------------------------------------------
 
 
-def test_variants_per_bucket_and_their_one_enumeration():
-    config = steps(penalty_variants=True, prompt_logprob_variants=True, greedy_variants=True)
+def test_forwards_samplers_and_the_steps_they_serve():
+    config = steps(penalty_variants=True, prompt_logprob_variants=True)
     decode, token = Bucket(2, 2, decode_only=True), Bucket(16, 4)
-    general, penalties = StepVariant(), StepVariant(penalties=True)
-    scoring = [StepVariant(prompt_logprobs=True), StepVariant(penalties=True, prompt_logprobs=True)]
-    assert config.variants(decode) == (general, penalties, StepVariant(greedy=True))
-    assert config.variants(token) == (general, penalties, *scoring, StepVariant(greedy=True))
+    assert (decode, False) in config.forwards() and (decode, True) not in config.forwards()
+    assert {(token, False), (token, True)} <= set(config.forwards())
+    rows = sorted({b.num_seqs for b in config.buckets.buckets})
+    assert config.samplers() == tuple((r, m, p) for r in rows for m in SamplerMode for p in (False, True))
+    assert len(config.variants(decode)) == 3 * 2 and len(config.variants(token)) == 3 * 2 * 2
+    assert StepVariant(SamplerMode.SORTED, True, True) in config.variants(token)
     assert config.compiled_steps() == tuple((b, v) for b in config.buckets.buckets for v in config.variants(b))
-    assert steps().variants(token) == (general,)
-    # The probe runs the largest compiled step: the largest token bucket, scoring with penalties.
-    assert config.largest_step() == (token, StepVariant(penalties=True, prompt_logprobs=True))
-    assert steps().largest_step() == (token, general)
-    with pytest.raises(ValueError, match="greedy step variant"):
-        StepVariant(greedy=True, penalties=True)
-    assert str(general) == "general" and str(scoring[1]) == "penalties+prompt_logprobs"
+    plain = steps()
+    assert plain.forwards() == tuple((b, False) for b in plain.buckets.buckets)
+    assert plain.variants(token) == tuple(StepVariant(mode) for mode in SamplerMode)
+    # The probe runs the step with the largest activations: the largest token bucket, scoring, penalties,
+    # the sorting sampler.
+    assert config.largest_step() == (token, StepVariant(SamplerMode.SORTED, True, True))
+    assert plain.largest_step() == (token, StepVariant(SamplerMode.SORTED))
+    assert str(StepVariant(SamplerMode.SORTED, True, True)) == "sorted+penalties+prompt_logprobs"
+    assert str(StepVariant(SamplerMode.GREEDY)) == "greedy"
 
 
 def test_requests_that_need_an_uncompiled_variant_are_refused_by_name():
@@ -329,6 +342,8 @@ _PARAMS = st.sampled_from(
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.0, logprobs=2),
         SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.9),
+        SamplingParams(temperature=0.9, min_p=0.1),
         SamplingParams(temperature=0.0, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, prompt_logprobs=1),
         SamplingParams(temperature=0.5, presence_penalty=0.5, prompt_logprobs=0),
@@ -337,14 +352,11 @@ _PARAMS = st.sampled_from(
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    rows=st.lists(st.tuples(_PARAMS, st.booleans(), st.integers(1, 4)), min_size=1, max_size=4),
-    greedy=st.booleans(),
-)
-def test_every_step_a_batch_can_ask_for_is_compiled_and_has_the_compiled_shapes(rows, greedy):
+@given(rows=st.lists(st.tuples(_PARAMS, st.booleans(), st.integers(1, 4)), min_size=1, max_size=4))
+def test_every_step_a_batch_can_ask_for_is_compiled_and_has_the_compiled_shapes(rows):
     """The engine never runs a (bucket, variant) that warmup did not compile, and its inputs have exactly
     the shapes and dtypes that step was compiled for (padding_inputs)."""
-    config = steps(penalty_variants=True, prompt_logprob_variants=True, greedy_variants=greedy)
+    config = steps(penalty_variants=True, prompt_logprob_variants=True)
     scheduled = []
     for i, (params, prefill, num_tokens) in enumerate(rows):
         request = Request(f"r{i}", list(range(1, 9)), params)
@@ -358,12 +370,14 @@ def test_every_step_a_batch_can_ask_for_is_compiled_and_has_the_compiled_shapes(
     assert (bucket, variant) in config.compiled_steps()
     padding = padding_inputs(bucket, variant, config)
     assert _layout(inputs) == _layout(padding)
-    expect_greedy = greedy and all(r.request.sampling_params.is_greedy for r in scheduled)
-    expect_greedy &= not any(
-        variant.penalties or variant.prompt_logprobs or r.request.sampling_params.logprobs is not None
-        for r in scheduled
-    )
-    assert variant.greedy == expect_greedy
+    params = [r.request.sampling_params for r in scheduled]
+    if all(p.is_greedy and p.logprobs is None for p in params):
+        expected = SamplerMode.GREEDY
+    elif any(not p.is_greedy and p.top_p < 1 and p.top_k is None for p in params):
+        expected = SamplerMode.SORTED  # a top-p without a top-k needs the whole vocabulary's mass
+    else:
+        expected = SamplerMode.CANDIDATES
+    assert variant.sampler is expected
 
 
 def _layout(inputs) -> list:

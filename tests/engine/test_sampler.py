@@ -10,11 +10,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from jaxserve.inputs import SamplingInputs, TokenHistory
-from jaxserve.sampler import apply_penalties, sample
+from jaxserve.inputs import SamplerMode, SamplingInputs, TokenHistory
+from jaxserve.sampler import apply_penalties, sample, two_stage_top_k
 
-_sample = jax.jit(sample, static_argnames=("greedy_only",))
+_jit_sample = jax.jit(sample, static_argnames=("mode",))
 _apply_penalties = jax.jit(apply_penalties)
+
+
+def _sample(logits, params, key, mode: SamplerMode = SamplerMode.CANDIDATES, **history):
+    return _jit_sample(logits, params, key, mode=mode, **history)
+
+
+def history_of(token_ids, num_prompt_tokens) -> TokenHistory:
+    """A TokenHistory without carried tokens (the sampler itself never reads carried_column)."""
+    return TokenHistory(token_ids, num_prompt_tokens, jnp.full(token_ids.shape[0], token_ids.shape[1], jnp.int32))
+
 
 NUM_DRAWS = 20_000
 REJECT_BELOW = 1e-4
@@ -128,7 +138,7 @@ def test_top_k_1_equals_greedy_exactly(with_history: bool):
     history = {}
     if with_history:
         history = {
-            "history": TokenHistory(
+            "history": history_of(
                 jnp.asarray(rng.integers(0, vocab + 1, size=(batch, 10)), jnp.int32),
                 jnp.asarray(rng.integers(0, 11, size=batch), jnp.int32),
             )
@@ -265,7 +275,7 @@ CASES = {
 KEY_MODES = ("step_key", "one_seed_per_row", "one_seed_many_indices")
 
 
-def draw(filters: dict[str, float], key_mode: str) -> np.ndarray:
+def draw(filters: dict[str, float], key_mode: str, mode: SamplerMode = SamplerMode.CANDIDATES) -> np.ndarray:
     """NUM_DRAWS samples of one logits row: one per batch row, the rows differing only in their key."""
     keys = {
         "step_key": {},
@@ -273,18 +283,20 @@ def draw(filters: dict[str, float], key_mode: str) -> np.ndarray:
         "one_seed_many_indices": {"seed": 1234, "has_seed": True, "generation_index": np.arange(NUM_DRAWS)},
     }[key_mode]
     logits = jnp.broadcast_to(jnp.asarray(LOGITS_16), (NUM_DRAWS, LOGITS_16.shape[0]))
-    out = _sample(logits, make_params(NUM_DRAWS, **filters, **keys), jax.random.key(10))
+    out = _sample(logits, make_params(NUM_DRAWS, **filters, **keys), jax.random.key(10), mode)
     return np.asarray(out)
 
 
+# With 16 logits every token is a candidate: both modes are exact for every case.
+@pytest.mark.parametrize("mode", [SamplerMode.CANDIDATES, SamplerMode.SORTED])
 @pytest.mark.parametrize("key_mode", KEY_MODES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_samples_follow_the_exact_filtered_distribution(case: str, key_mode: str):
+def test_samples_follow_the_exact_filtered_distribution(case: str, key_mode: str, mode: SamplerMode):
     filters, wrong_filters = CASES[case]
     exact = reference_distribution(LOGITS_16, **filters)
     wrong = reference_distribution(LOGITS_16, **wrong_filters)
     assert np.abs(exact - wrong).sum() > 0.02, "the wrong distribution must differ for the control to mean anything"
-    samples = draw(filters, key_mode)
+    samples = draw(filters, key_mode, mode)
     assert chi_square_pvalue(samples, exact) > REJECT_BELOW
     assert chi_square_pvalue(samples, wrong) < REJECT_BELOW
 
@@ -352,7 +364,7 @@ def test_penalties_match_the_numpy_reference(seed: int, num_prompt: list[int], p
     repetition, presence, frequency = rng.uniform(0.5, 2.0, BATCH), rng.uniform(-1, 1, BATCH), rng.uniform(-1, 1, BATCH)
     params = make_params(BATCH, repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency)
     got = _apply_penalties(
-        jnp.asarray(logits), params, TokenHistory(jnp.asarray(history, jnp.int32), jnp.asarray(num_prompt, jnp.int32))
+        jnp.asarray(logits), params, history_of(jnp.asarray(history, jnp.int32), jnp.asarray(num_prompt, jnp.int32))
     )
     expected = reference_penalties(logits, history, num_prompt, repetition, presence, frequency)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
@@ -374,7 +386,7 @@ def test_penalised_greedy_token_matches_the_reference(active: str):
         jnp.asarray(logits),
         params,
         jax.random.key(0),
-        history=TokenHistory(jnp.asarray(history, jnp.int32), jnp.asarray(num_prompt, jnp.int32)),
+        history=history_of(jnp.asarray(history, jnp.int32), jnp.asarray(num_prompt, jnp.int32)),
     )
     expected = np.argmax(reference_penalties(logits, history, num_prompt, repetition, presence, frequency), axis=-1)
     np.testing.assert_array_equal(np.asarray(out), expected)
@@ -387,28 +399,70 @@ def test_neutral_penalties_change_nothing():
     history = jnp.asarray(rng.integers(0, VOCAB + 1, size=(BATCH, HISTORY)), jnp.int32)
     num_prompt = jnp.asarray(rng.integers(0, HISTORY + 1, BATCH), jnp.int32)
     params = make_params(BATCH, temperature=rng.uniform(0.0, 2.0, BATCH), top_p=0.9)
-    penalised = _apply_penalties(logits, params, TokenHistory(history, num_prompt))
+    penalised = _apply_penalties(logits, params, history_of(history, num_prompt))
     np.testing.assert_array_equal(np.asarray(penalised), np.asarray(logits))
-    with_history = _sample(logits, params, jax.random.key(1), history=TokenHistory(history, num_prompt))
+    with_history = _sample(logits, params, jax.random.key(1), history=history_of(history, num_prompt))
     without = _sample(logits, params, jax.random.key(1))
     np.testing.assert_array_equal(np.asarray(with_history), np.asarray(without))
 
 
 @pytest.mark.parametrize("penalties", [False, True])
-def test_greedy_only_variant_matches_the_general_sampler_on_greedy_rows(penalties):
-    """The all-greedy variant (an argmax, no conditionals) gives the general sampler's tokens."""
+def test_greedy_mode_matches_the_sampling_modes_on_greedy_rows(penalties):
+    """The GREEDY mode (an argmax) gives the sampling modes' tokens on greedy rows."""
     rng = np.random.default_rng(15)
     logits = jnp.asarray(rng.normal(0.0, 3.0, size=(BATCH, VOCAB)).astype(np.float32))
     history = jnp.asarray(rng.integers(0, VOCAB + 1, size=(BATCH, HISTORY)), jnp.int32)
     num_prompt = jnp.asarray(rng.integers(0, HISTORY + 1, BATCH), jnp.int32)
     fields = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3) if penalties else {}
     params = make_params(BATCH, top_k=np.where(np.arange(BATCH) % 2, 1, 0), **fields)  # temperature 0 or top_k 1
-    extra = dict(history=TokenHistory(history, num_prompt)) if penalties else {}
+    extra = dict(history=history_of(history, num_prompt)) if penalties else {}
     general = _sample(logits, params, jax.random.key(2), **extra)
-    greedy = _sample(logits, params, jax.random.key(2), greedy_only=True, **extra)
+    greedy = _sample(logits, params, jax.random.key(2), SamplerMode.GREEDY, **extra)
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(general))
     if penalties:
         assert (np.asarray(greedy) != np.argmax(np.asarray(logits), axis=-1)).any(), "penalties unused"
+
+
+# ---------------------------------------------------------------------------------------------
+# The CANDIDATES mode's two-stage top-k, and its agreement with the sorting mode
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [1000, 20001, 49152])  # 8, 157 (the last one padded) and 384 chunks
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_two_stage_top_k_equals_lax_top_k(vocab: int, k: int):
+    """Same values and ids as lax.top_k, ties (to the lower id) and -inf entries included."""
+    rng = np.random.default_rng(vocab + k)
+    x = rng.normal(0.0, 2.0, size=(6, vocab)).astype(np.float32)
+    x[1] = np.round(x[1])  # many ties, across chunks
+    x[2, :] = 0.0  # all tied
+    x[3, rng.choice(vocab, vocab - 5, replace=False)] = -np.inf  # fewer finite entries than k
+    x[4, vocab - 1] = 50.0  # the maximum in the (padded) last chunk
+    expected_values, expected_ids = jax.lax.top_k(jnp.asarray(x), k)
+    values, ids = jax.jit(two_stage_top_k, static_argnums=1)(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(expected_values))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(expected_ids))
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"temperature": 0.8, "top_k": 50, "top_p": 0.95},
+        {"temperature": 1.0, "top_k": 64, "top_p": 0.5, "min_p": 0.01},
+        {"temperature": 1.2, "top_k": 7},
+        {"temperature": 0.7, "min_p": 0.05},
+        {"temperature": 1.0},
+    ],
+)
+def test_candidates_mode_draws_the_sorting_modes_tokens(filters: dict):
+    """On a large vocabulary, for filters the host sends to CANDIDATES, both modes cut the same threshold
+    and so draw the same tokens from the same keys."""
+    rng = np.random.default_rng(31)
+    logits = jnp.asarray(rng.normal(0.0, 3.0, size=(64, 20000)).astype(np.float32))
+    params = make_params(64, **filters, seed=np.arange(64), has_seed=True)
+    candidates = _sample(logits, params, jax.random.key(3), SamplerMode.CANDIDATES)
+    by_sort = _sample(logits, params, jax.random.key(3), SamplerMode.SORTED)
+    np.testing.assert_array_equal(np.asarray(candidates), np.asarray(by_sort))
 
 
 # ---------------------------------------------------------------------------------------------
