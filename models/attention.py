@@ -6,7 +6,7 @@ reference path below. The paged path (the Pallas kernel over a block table) adds
 type and one branch in `attention`, nowhere else.
 
 Dense reference path: a contiguous cache per sequence, `DenseKVCache(k, v)`, each [L, B, S, K, Dh]
-for the whole model; inside the layer scan every leaf has lost its leading L axis. A flat batch of
+for the whole model, which every layer receives whole and indexes by its layer number. A flat batch of
 T tokens is described by `DenseAttentionMetadata`: token t belongs to sequence seq_ids[t] at
 absolute position positions[t]; its K/V are written at cache[seq_ids[t], positions[t]] and it
 attends to the positions p' of its sequence with p' <= positions[t] (and p' > positions[t] - window
@@ -135,8 +135,8 @@ def attention(
 ) -> tuple[Float[Array, "T H Dh"], DenseKVCache | PagedKVCache]:
     """Writes layer `layer`'s new K/V into the whole-model cache, then attends; the one dispatch on `meta`'s type.
 
-    The cache travels whole through the layer scan (in its carry) rather than as per-layer slices:
-    slicing a layer out and stacking it back would copy the whole KV pool every step.
+    The cache travels whole from layer to layer rather than as per-layer slices: slicing a layer out
+    and stacking it back would copy the whole KV pool every step.
     """
     if isinstance(meta, DenseAttentionMetadata) and isinstance(kv_cache, DenseKVCache):
         kv_cache = write_dense(kv_cache, layer, k, v, positions, meta)
