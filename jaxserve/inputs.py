@@ -511,14 +511,25 @@ def _fill_token_ids(token_ids: np.ndarray, batch: ScheduledBatch, row_offsets: n
 
 def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndarray, buckets: BucketTable) -> None:
     """Each row holds the blocks covering its kv_len; the rest point at block 0."""
-    for i, row in enumerate(batch.rows):
-        num_blocks = -(-int(kv_lens[i]) // buckets.block_size)
-        if num_blocks > buckets.max_blocks_per_seq or num_blocks > len(row.block_ids):
-            raise ValueError(
-                f"request {row.request.request_id}[{row.request.index}] needs {num_blocks} blocks for "
-                f"{kv_lens[i]} tokens; it holds {len(row.block_ids)}, a block table row {buckets.max_blocks_per_seq}"
-            )
-        table[i, :num_blocks] = row.block_ids[:num_blocks]
+    rows = batch.rows
+    n = len(rows)
+    needed = -(-kv_lens[:n] // buckets.block_size)
+    held = np.fromiter((len(row.block_ids) for row in rows), dtype=np.int64, count=n)
+    short = np.flatnonzero((needed > buckets.max_blocks_per_seq) | (needed > held))
+    if short.size:
+        i = int(short[0])
+        request = rows[i].request
+        raise ValueError(
+            f"request {request.request_id}[{request.index}] needs {needed[i]} blocks for "
+            f"{kv_lens[i]} tokens; it holds {held[i]}, a block table row {buckets.max_blocks_per_seq}"
+        )
+    counts = needed.tolist()
+    flat = np.fromiter(
+        itertools.chain.from_iterable(row.block_ids[:k] for row, k in zip(rows, counts, strict=True)), dtype=np.int32
+    )
+    starts = np.cumsum(needed) - needed
+    columns = np.arange(flat.shape[0]) - np.repeat(starts, needed)
+    table[np.repeat(np.arange(n), needed), columns] = flat
 
 
 def _fill_carried(inputs: StepInputs, batch: ScheduledBatch, previous: ScheduledBatch | None) -> None:
