@@ -5,6 +5,11 @@
 #   bash benchmarks/h200_engine.sh dispatch  # which ops make the step call block the host (dispatch_sync.py)
 #   bash benchmarks/h200_engine.sh tp2       # 8B-shaped on two GPUs: Pallas kernels under shard_map, and xla
 #   bash benchmarks/h200_engine.sh profile   # 8B-shaped decode step, kernel by kernel against its floors (step_profile.py)
+#   bash benchmarks/h200_engine.sh latency   # jaxserve bench latency, 8B shape, batch 1 / 8 / 32 (default settings)
+#   bash benchmarks/h200_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
+#   bash benchmarks/h200_engine.sh long      # jaxserve bench throughput: 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
+# `latency`, `throughput` and `long` each fit one device call; `throughput` starts from an empty cache
+# ($JAXSERVE_CACHE/xla removed) so its first run is the cold warmup.
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log; `profile` writes
 # $OUT/profile_<name>.{txt,csv,json,log} per run and its traces under $TRACES (default /tmp/step_profile_traces).
 set -u
@@ -22,6 +27,12 @@ profile_run() {  # profile_run NAME TIMEOUT ARGS...: one step_profile.py process
   timeout "$limit" python3 benchmarks/step_profile.py "$@" --out "$OUT/profile_$name.csv" \
     --trace-dir "${TRACES:-/tmp/step_profile_traces}/$name" 2>"$OUT/profile_$name.log" | tee "$OUT/profile_$name.txt"
   grep -E "Error|error" "$OUT/profile_$name.log" | cut -c1-220 | tail -n 14
+}
+bench_run() {  # bench_run NAME TIMEOUT ARGS...: one `jaxserve bench` process (-v log kept), its JSON to $OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  echo "== $name: jaxserve bench $*"
+  timeout "$limit" python3 -m jaxserve.cli bench "$@" --json -v 2>"$OUT/$name.log" | tee "$OUT/$name.json"; echo
+  grep -E "jaxserve.(capacity: KV cache|runner: warmup|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-220 | tail -n 6
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -53,5 +64,23 @@ case "${1:-}" in
     profile_run b1_c128 200 "${P[@]}" --batch 1 --context 128
     profile_run b256_c192 280 "${P[@]}" --batch 256 --context 192 --variant greedy,candidates,sorted
     ;;
-  *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile" >&2; exit 2 ;;
+  latency)
+    for b in 1 8 32; do
+      bench_run latency_b$b 170 latency --random-weights llama-3.1-8b --batch-size $b --input-len 128 --output-len 128 --num-iters 3
+    done
+    ;;
+  throughput)
+    rm -rf "$JAXSERVE_CACHE/xla"
+    T=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128)
+    bench_run t1024_cold 240 "${T[@]}"
+    bench_run t1024_cached 120 "${T[@]}"
+    bench_run t1024_sampling 120 "${T[@]}" --temperature 0.8 --top-p 0.95 --top-k 50 --seed-per-request
+    ;;
+  long)
+    L=(throughput --random-weights llama-3.1-8b --max-seq-len 2176)
+    bench_run t512_1000_1000 220 "${L[@]}" --num-requests 512 --input-len 1000 --output-len 1000
+    bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
+    bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
+    ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long" >&2; exit 2 ;;
 esac
