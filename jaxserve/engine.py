@@ -48,6 +48,7 @@ from jaxserve.runner import Runner, RunnerSpec, StepOutput, enable_compilation_c
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
 from jaxserve.tokenizer import Tokenizer
+from models.loader import load_from_pytree
 from models.registry import ModelConfig, ModelFamily
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,24 @@ class Engine:
             return
         if self.scheduler.abort(request_id):
             self._finished_outside_steps.append(request_id)
+
+    def update_weights(self, params: Any) -> None:
+        """New values for every weight, in place and without compiling anything.
+
+        `params`: what `models.loader.load_from_pytree` takes (the family's weights dataclass, or a nested
+        dict keyed by our field names or Hugging Face names), checked against the model's shapes and cast
+        to the serving dtype before anything changes. Every cached prefix is dropped (its K/V came from
+        the old weights). Refused while a request is unfinished: let them finish or abort them first."""
+        family, cfg = self.runner.spec.family, self.runner.spec.cfg
+        weights = load_from_pytree(family, cfg, params, np.dtype(self.runner.spec.dtype).name)
+        if self.has_unfinished():
+            unfinished = self.scheduler.num_waiting + self.scheduler.num_running
+            raise RuntimeError(
+                f"update_weights while {unfinished} requests are unfinished (or steps in flight): "
+                "let them finish or abort them first"
+            )
+        self.runner.update_weights(weights)
+        self.block_manager.reset([])
 
     def has_unfinished(self) -> bool:
         pending = self._in_flight or self._finished_outside_steps or not self._inbox.empty()

@@ -110,6 +110,20 @@ class LLM:
         )
         # The latest output of every request a call of this LLM is waiting for (None: none yet).
         self._mailboxes: dict[str, RequestOutput | None] = {}
+        self.weights_version = 0  # how many times update_weights replaced the weights
+
+    def update_weights(self, params: Any) -> int:
+        """Replaces every weight's values in place (same shapes, placed and cast as the current ones),
+        without compiling anything, and returns the new weights version (1 after the first update).
+
+        `params`: the model's weights dataclass, or a nested dict keyed by our field names or Hugging Face
+        names (as `models.loader.load_from_pytree` takes), checked before anything changes. The prefix
+        cache is dropped. Refused (RuntimeError) while a request is unfinished: call it between
+        `generate` calls. The old device buffers are freed layer by layer as the new ones are placed.
+        """
+        self.engine.update_weights(params)
+        self.weights_version += 1
+        return self.weights_version
 
     @property
     def step_stats(self) -> list[StepStats]:

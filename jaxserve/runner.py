@@ -203,6 +203,14 @@ class Runner:
         self._forwards: dict[ForwardKey, jax.stages.Compiled] = {}
         self._samplers: dict[SamplerKey, jax.stages.Compiled] = {}
 
+    def update_weights(self, weights: Any) -> None:
+        """New values for every weight (checkpoint layout, validated by the caller: same shapes), placed
+        where the old ones are, with the same dtype: the compiled steps take them as they are. The old
+        buffers are deleted layer by layer as the new ones are built."""
+        shardings = jax.tree.map(lambda w: w.sharding, self.weights)
+        old, self.weights = self.weights, None
+        self.weights = self.spec.family.to_serving(weights, self.spec.cfg, shardings, self.spec.dtype, replacing=old)
+
     @property
     def compiled_steps(self) -> tuple[tuple[Bucket, StepVariant], ...]:
         """The (bucket, variant) steps whose forward and sampler are both compiled."""

@@ -308,24 +308,41 @@ def serving_specs(cfg: LlamaConfig) -> ServingWeights:
 
 
 def to_serving(
-    weights: LlamaWeights, cfg: LlamaConfig, shardings: ServingWeights | None = None, dtype: Any = None
+    weights: LlamaWeights,
+    cfg: LlamaConfig,
+    shardings: ServingWeights | None = None,
+    dtype: Any = None,
+    replacing: ServingWeights | None = None,
 ) -> ServingWeights:
     """The serving layout of checkpoint-layout weights (numpy or jax arrays), placed with `shardings`
     (a tree of NamedSharding, or None for the default device) and cast to `dtype` (None: as they are).
 
     One layer at a time: host weights cross to the device layer by layer, and the device holds the
     serving copy plus one layer of the source at most (besides the source itself when it is on the
-    device)."""
+    device). `replacing`: serving weights whose buffers are deleted as their replacements are built
+    (an update in place), so old and new copies coexist for one layer at a time."""
     fuse = _layer_fuser(
         cfg, None if dtype is None else jnp.dtype(dtype), None if shardings is None else shardings.layers[0]
     )
-    layers = tuple(fuse(jax.tree.map(lambda w, i=i: w[i], weights.layers)) for i in range(cfg.num_layers))
+    layers = []
+    for i in range(cfg.num_layers):
+        layers.append(fuse(jax.tree.map(lambda w, i=i: w[i], weights.layers)))
+        if replacing is not None:
+            _delete(replacing.layers[i])
 
     def top(name: str) -> Any:
         value = getattr(weights, name)
-        return None if value is None else place(value, getattr(shardings, name, None), dtype)
+        placed = None if value is None else place(value, getattr(shardings, name, None), dtype)
+        if replacing is not None:
+            _delete(getattr(replacing, name))
+        return placed
 
-    return ServingWeights(top("embed"), layers, top("final_norm"), top("lm_head"))
+    return ServingWeights(top("embed"), tuple(layers), top("final_norm"), top("lm_head"))
+
+
+def _delete(tree: Any) -> None:
+    for leaf in jax.tree.leaves(tree):
+        leaf.delete()
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,8 +39,11 @@ class ModelFamily(Protocol):
     def serving_specs(self, cfg: Any) -> Any:
         """The serving layout (what `forward` reads) with a ParamSpec at every leaf."""
 
-    def to_serving(self, weights: Any, cfg: Any, shardings: Any = None, dtype: Any = None) -> Any:
-        """Checkpoint-layout weights in the serving layout, placed with `shardings`, cast to `dtype`."""
+    def to_serving(
+        self, weights: Any, cfg: Any, shardings: Any = None, dtype: Any = None, replacing: Any = None
+    ) -> Any:
+        """Checkpoint-layout weights in the serving layout, placed with `shardings`, cast to `dtype`;
+        `replacing`'s buffers (serving weights being updated) are deleted as the new ones are built."""
 
     def checkpoint_rules(self, cfg: Any) -> list[CheckpointRule]:
         """Hugging Face tensor names -> weight fields."""
