@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import capacity
@@ -26,7 +28,7 @@ from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
 from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
 from jaxserve.tokenizer import Tokenizer, validate_conversations
 from models.hub import DEFAULT_MODEL
-from models.loader import LoadedModel, load_model
+from models.loader import LoadedModel, load_from_pytree, load_model
 from sharding.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,30 @@ class LLM:
         # The latest output of every request a call of this LLM is waiting for (None: none yet).
         self._mailboxes: dict[str, RequestOutput | None] = {}
         self.weights_version = 0  # how many times update_weights replaced the weights
+
+    @classmethod
+    def from_params(cls, params: Any, config: Any, tokenizer: Any, **engine_kwargs: Any) -> LLM:
+        """An LLM over parameters already in memory, without conversion.
+
+        params: the family's weights dataclass; a nested dict keyed by our field names or by Hugging
+            Face names (a Flax Linen params tree, "kernel" matrices [in, out] included); or a Flax NNX
+            `State` (its `to_pure_dict()`), as `models.loader.load_from_pytree` takes them.
+        config: the model's Hugging Face config, a config.json dict or a `PretrainedConfig`.
+        tokenizer: a `Tokenizer` or a path it loads from. engine_kwargs: the `LLM` keywords; dtype "auto"
+            serves the parameters in their own floating-point dtype.
+        """
+        from models import registry
+
+        hf_config = config.to_dict() if hasattr(config, "to_dict") else config
+        if not isinstance(hf_config, Mapping):
+            raise TypeError(f"config must be a Hugging Face config dict or object, got {type(config).__name__}")
+        hf_config = dict(hf_config)
+        family, cfg = registry.resolve(hf_config)
+        tree = _pure_params(params)
+        dtype = engine_kwargs.get("dtype", "auto")
+        weights = load_from_pytree(family, cfg, tree, _params_dtype(tree) if dtype == "auto" else dtype)
+        loaded = LoadedModel(family, cfg, weights, hf_config, None, "parameters in memory")
+        return cls(loaded, tokenizer=tokenizer, **engine_kwargs)
 
     def update_weights(self, params: Any) -> int:
         """Replaces every weight's values in place (same shapes, placed and cast as the current ones),
@@ -305,6 +331,26 @@ def _check_arguments(
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
     if not isinstance(show_progress, bool):
         raise TypeError(f"show_progress must be a bool, got {show_progress!r}")
+
+
+def _pure_params(params: Any) -> Any:
+    """A Flax NNX State (or a tree holding nnx Variables) as plain nested dicts of arrays; anything else
+    as it is. flax is imported only when the parameters come from it."""
+    if not type(params).__module__.startswith("flax"):
+        return params
+    from flax import nnx
+
+    to_pure_dict = getattr(nnx, "to_pure_dict", None)  # flax < 0.11 has the State method only
+    return to_pure_dict(params) if to_pure_dict is not None else params.to_pure_dict()
+
+
+def _params_dtype(tree: Any) -> str:
+    """The name of a parameter tree's first floating-point dtype ("float32" when it has none)."""
+    for leaf in jax.tree.leaves(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            return np.dtype(dtype).name
+    return "float32"
 
 
 def _tokenizer(tokenizer: Any, loaded: LoadedModel) -> Any:
