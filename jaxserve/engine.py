@@ -120,6 +120,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stepping = False  # inside step(): an abort from a finaliser waits for the next one
         self._ids = itertools.count()
+        self.asleep = False  # sleep() .. wake_up()
+        self.closed = False
         shapes = [(b.num_tokens, b.num_seqs) for b in self.buckets.buckets]
         logger.info("engine ready: backend=%s, dtype=%s, buckets=%s", backend, np.dtype(dtype).name, shapes)
 
@@ -141,6 +143,7 @@ class Engine:
 
         stream: `step` reports the request after every step that changes it, else only once finished.
         """
+        self._check_serving()
         params = _checked_params(params, self.steps, len(self.tokenizer.eos_token_ids))
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
@@ -175,16 +178,74 @@ class Engine:
         dict keyed by our field names or Hugging Face names), checked against the model's shapes and cast
         to the serving dtype before anything changes. Every cached prefix is dropped (its K/V came from
         the old weights). Refused while a request is unfinished: let them finish or abort them first."""
+        self._check_open("update_weights")
         family, cfg = self.runner.spec.family, self.runner.spec.cfg
         weights = load_from_pytree(family, cfg, params, np.dtype(self.runner.spec.dtype).name)
+        self._refuse_while_busy("update_weights")
+        self.runner.update_weights(weights)
+        self.block_manager.reset([])
+
+    # ---- device memory between uses: sleep, wake_up, close -----------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory for something else (a trainer) until `wake_up` (vLLM's sleep mode).
+
+        level 1: the weights move to host memory and the KV pool is freed; level 2: both are freed, and
+        `update_weights` brings the next weights (before or after `wake_up`). The prefix cache is
+        dropped. Refused while a request is unfinished; new requests are refused while asleep."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"level must be 1 (weights to host memory) or 2 (weights freed), got {level!r}")
+        self._check_open("sleep")
+        if self.asleep:
+            raise RuntimeError("the engine is already asleep: call wake_up() first")
+        self._refuse_while_busy("sleep")
+        self.runner.release_kv()
+        if level == 1:
+            self.runner.offload_weights()
+        else:
+            self.runner.discard_weights()
+        self.block_manager.reset([])
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Takes the device memory back: the KV pool (zeroed, its former size) and the weights sleep(1)
+        moved to host memory. Nothing is recompiled."""
+        self._check_open("wake_up")
+        if not self.asleep:
+            raise RuntimeError("the engine is not asleep")
+        if self.runner.has_host_weights:
+            self.runner.reload_weights()
+        self.runner.restore_kv()
+        self.asleep = False
+
+    def close(self) -> None:
+        """Aborts what is unfinished and frees every device buffer of the engine; it serves no more."""
+        if self.closed:
+            return
+        for request in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.scheduler.finish(request, FinishReason.ABORT)
+        self._in_flight.clear()
+        self.runner.close()
+        self.closed = True
+
+    def _check_open(self, action: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{action}: the engine is closed")
+
+    def _check_serving(self) -> None:
+        self._check_open("add_request")
+        if self.asleep:
+            raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
+        if not self.runner.has_weights:
+            raise RuntimeError("the engine has no weights since sleep(level=2): call update_weights(params)")
+
+    def _refuse_while_busy(self, action: str) -> None:
         if self.has_unfinished():
             unfinished = self.scheduler.num_waiting + self.scheduler.num_running
             raise RuntimeError(
-                f"update_weights while {unfinished} requests are unfinished (or steps in flight): "
+                f"{action} while {unfinished} requests are unfinished (or steps in flight): "
                 "let them finish or abort them first"
             )
-        self.runner.update_weights(weights)
-        self.block_manager.reset([])
 
     def has_unfinished(self) -> bool:
         pending = self._in_flight or self._finished_outside_steps or not self._inbox.empty()

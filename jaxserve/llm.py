@@ -151,6 +151,28 @@ class LLM:
         self.weights_version += 1
         return self.weights_version
 
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory between uses, e.g. for a trainer on the same device (vLLM's sleep mode):
+        level 1 moves the weights to host memory and frees the KV pool, level 2 frees both (the next
+        `update_weights` brings weights, before or after `wake_up`). Refused while a request is unfinished."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Takes the memory back (KV pool, and the weights level 1 kept on the host); nothing recompiles."""
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        """Aborts what is unfinished and frees every device buffer of this LLM (`with LLM(...) as llm:`
+        does it on leaving the block); the LLM serves no more. Another LLM can be built afterwards."""
+        self.engine.close()
+        self._mailboxes.clear()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def step_stats(self) -> list[StepStats]:
         """Per-step statistics: tokens, sequences, bucket, KV usage, preemptions, prefix hit rate."""

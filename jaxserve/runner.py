@@ -196,6 +196,8 @@ class Runner:
         # The checkpoint layout in, the family's serving layout on the mesh, split by the rules table.
         shardings = named_shardings(spec.family.serving_specs(spec.cfg), self.mesh)
         self.weights = spec.family.to_serving(weights, spec.cfg, shardings, spec.dtype)
+        self._weight_shardings = shardings
+        self._host_weights: Any = None  # the weights while offloaded (`offload_weights`)
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0
         self._seed, self._recoveries = seed, 0
@@ -205,11 +207,53 @@ class Runner:
 
     def update_weights(self, weights: Any) -> None:
         """New values for every weight (checkpoint layout, validated by the caller: same shapes), placed
-        where the old ones are, with the same dtype: the compiled steps take them as they are. The old
-        buffers are deleted layer by layer as the new ones are built."""
-        shardings = jax.tree.map(lambda w: w.sharding, self.weights)
-        old, self.weights = self.weights, None
-        self.weights = self.spec.family.to_serving(weights, self.spec.cfg, shardings, self.spec.dtype, replacing=old)
+        where the old ones were, with the same dtype: the compiled steps take them as they are. The old
+        buffers (if any: none after `discard_weights`) are deleted layer by layer as the new ones are built."""
+        old, self.weights, self._host_weights = self.weights, None, None
+        family, cfg, dtype = self.spec.family, self.spec.cfg, self.spec.dtype
+        self.weights = family.to_serving(weights, cfg, self._weight_shardings, dtype, replacing=old)
+
+    # ---- releasing memory (sleep, close) -------------------------------------------------------
+
+    def release_kv(self) -> None:
+        """Frees the KV pool (its contents are gone); `restore_kv` allocates a zeroed one of the same size."""
+        _delete(self.kv_cache)
+        self.kv_cache = None
+
+    def restore_kv(self) -> None:
+        self.kv_cache = self._zero_cache(self.num_blocks)
+
+    def offload_weights(self) -> None:
+        """Moves the weights to host memory (numpy) and frees their device buffers; `reload_weights`
+        puts them back where they were."""
+        self._host_weights = jax.device_get(self.weights)
+        _delete(self.weights)
+        self.weights = None
+
+    def reload_weights(self) -> None:
+        self.weights = jax.device_put(self._host_weights, self._weight_shardings)
+        self._host_weights = None
+
+    def discard_weights(self) -> None:
+        """Frees the weights' device buffers without a copy; `update_weights` brings new ones."""
+        _delete(self.weights)
+        self.weights, self._host_weights = None, None
+
+    @property
+    def has_weights(self) -> bool:
+        return self.weights is not None
+
+    @property
+    def has_host_weights(self) -> bool:
+        return self._host_weights is not None
+
+    def close(self) -> None:
+        """Frees every device buffer the runner holds and drops its compiled executables."""
+        self.release_kv()
+        self.discard_weights()
+        _delete((self._previous, self._key))
+        self._forwards.clear()
+        self._samplers.clear()
 
     @property
     def compiled_steps(self) -> tuple[tuple[Bucket, StepVariant], ...]:
@@ -402,6 +446,13 @@ class Runner:
             logger.warning("reallocating the KV pool after a failed step", exc_info=True)
             self.kv_cache = None  # frees the old buffers before the new ones are taken
             self.kv_cache = self._zero_cache(self.num_blocks)
+
+
+def _delete(tree: Any) -> None:
+    """Frees the device buffers of a tree's arrays now, rather than when the last reference goes."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
 
 
 def _describe(kind: str, key: Any) -> str:

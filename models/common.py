@@ -368,9 +368,12 @@ def gated_mlp(
 
 def place(value: Any, sharding: Any, dtype: Any = None) -> Any:
     """An array on the device (with `sharding`, or the default device's when None), floating-point
-    values cast to `dtype` when given."""
+    values cast to `dtype` when given; always a buffer of its own, never `value`'s (whoever holds the
+    result may free it: the runner does on sleep, close and update_weights)."""
     if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != dtype:
         return _caster(jnp.dtype(dtype), sharding)(value)
+    if isinstance(value, jax.Array):
+        value = jnp.copy(value)  # device_put hands back the same array when it is already in place
     return jax.device_put(value, sharding)
 
 

@@ -342,7 +342,8 @@ def to_serving(
 
 def _delete(tree: Any) -> None:
     for leaf in jax.tree.leaves(tree):
-        leaf.delete()
+        if not leaf.is_deleted():
+            leaf.delete()
 
 
 @functools.lru_cache(maxsize=64)
