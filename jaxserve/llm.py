@@ -17,13 +17,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import capacity
 from jaxserve.config import DTYPES, CompileConfig, KvCacheConfig, SchedulerConfig, make_engine_config
-from jaxserve.engine import Engine, StepStats
+from jaxserve.engine import Engine, StepStats, model_dtype
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
 from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
 from jaxserve.tokenizer import Tokenizer, validate_conversations
@@ -134,7 +133,7 @@ class LLM:
         family, cfg = registry.resolve(hf_config)
         tree = _pure_params(params)
         dtype = engine_kwargs.get("dtype", "auto")
-        weights = load_from_pytree(family, cfg, tree, _params_dtype(tree) if dtype == "auto" else dtype)
+        weights = load_from_pytree(family, cfg, tree, np.dtype(model_dtype(dtype, tree)).name)
         loaded = LoadedModel(family, cfg, weights, hf_config, None, "parameters in memory")
         return cls(loaded, tokenizer=tokenizer, **engine_kwargs)
 
@@ -364,15 +363,6 @@ def _pure_params(params: Any) -> Any:
 
     to_pure_dict = getattr(nnx, "to_pure_dict", None)  # flax < 0.11 has the State method only
     return to_pure_dict(params) if to_pure_dict is not None else params.to_pure_dict()
-
-
-def _params_dtype(tree: Any) -> str:
-    """The name of a parameter tree's first floating-point dtype ("float32" when it has none)."""
-    for leaf in jax.tree.leaves(tree):
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            return np.dtype(dtype).name
-    return "float32"
 
 
 def _tokenizer(tokenizer: Any, loaded: LoadedModel) -> Any:

@@ -54,6 +54,7 @@ from jaxserve.inputs import (
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
 from jaxserve.sampler import sample
 from models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
+from models.common import delete_arrays
 from models.registry import ModelConfig, ModelFamily
 from sharding.mesh import MODEL_AXIS, make_mesh
 from sharding.rules import named_shardings
@@ -217,7 +218,7 @@ class Runner:
 
     def release_kv(self) -> None:
         """Frees the KV pool (its contents are gone); `restore_kv` allocates a zeroed one of the same size."""
-        _delete(self.kv_cache)
+        delete_arrays(self.kv_cache)
         self.kv_cache = None
 
     def restore_kv(self) -> None:
@@ -227,7 +228,7 @@ class Runner:
         """Moves the weights to host memory (numpy) and frees their device buffers; `reload_weights`
         puts them back where they were."""
         self._host_weights = jax.device_get(self.weights)
-        _delete(self.weights)
+        delete_arrays(self.weights)
         self.weights = None
 
     def reload_weights(self) -> None:
@@ -236,7 +237,7 @@ class Runner:
 
     def discard_weights(self) -> None:
         """Frees the weights' device buffers without a copy; `update_weights` brings new ones."""
-        _delete(self.weights)
+        delete_arrays(self.weights)
         self.weights, self._host_weights = None, None
 
     @property
@@ -251,7 +252,7 @@ class Runner:
         """Frees every device buffer the runner holds and drops its compiled executables."""
         self.release_kv()
         self.discard_weights()
-        _delete((self._previous, self._key))
+        delete_arrays((self._previous, self._key))
         self._forwards.clear()
         self._samplers.clear()
 
@@ -446,13 +447,6 @@ class Runner:
             logger.warning("reallocating the KV pool after a failed step", exc_info=True)
             self.kv_cache = None  # frees the old buffers before the new ones are taken
             self.kv_cache = self._zero_cache(self.num_blocks)
-
-
-def _delete(tree: Any) -> None:
-    """Frees the device buffers of a tree's arrays now, rather than when the last reference goes."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
 
 
 def _describe(kind: str, key: Any) -> str:

@@ -377,6 +377,13 @@ def place(value: Any, sharding: Any, dtype: Any = None) -> Any:
     return jax.device_put(value, sharding)
 
 
+def delete_arrays(tree: Any) -> None:
+    """Frees the device buffers of a tree's jax arrays now, rather than when the last reference goes."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
 @functools.lru_cache(maxsize=64)
 def _caster(dtype: Any, sharding: Any) -> Any:
     return jax.jit(lambda w: w.astype(dtype), out_shardings=sharding)

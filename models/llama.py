@@ -39,6 +39,7 @@ from models.common import (
     RopeConfig,
     apply_rope,
     check_config_keys,
+    delete_arrays,
     gated_mlp,
     place,
     rms_norm,
@@ -328,22 +329,16 @@ def to_serving(
     for i in range(cfg.num_layers):
         layers.append(fuse(jax.tree.map(lambda w, i=i: w[i], weights.layers)))
         if replacing is not None:
-            _delete(replacing.layers[i])
+            delete_arrays(replacing.layers[i])
 
     def top(name: str) -> Any:
         value = getattr(weights, name)
         placed = None if value is None else place(value, getattr(shardings, name, None), dtype)
         if replacing is not None:
-            _delete(getattr(replacing, name))
+            delete_arrays(getattr(replacing, name))
         return placed
 
     return ServingWeights(top("embed"), tuple(layers), top("final_norm"), top("lm_head"))
-
-
-def _delete(tree: Any) -> None:
-    for leaf in jax.tree.leaves(tree):
-        if not leaf.is_deleted():
-            leaf.delete()
 
 
 @functools.lru_cache(maxsize=64)
