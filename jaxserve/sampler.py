@@ -72,10 +72,12 @@ def sample(
 
     is_greedy = (params.temperature < GREEDY_TEMPERATURE) | (params.top_k == 1)
     scaled = penalised / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
+    vocab = scaled.shape[-1]
     if mode is SamplerMode.SORTED:
-        threshold = _sorted_threshold(scaled, params.top_k, params.top_p, params.min_p)
+        ordered = jnp.sort(scaled, axis=-1, descending=True)
     else:
-        threshold = _candidate_threshold(scaled, params.top_k, params.top_p, params.min_p)
+        ordered, _ = two_stage_top_k(scaled, min(NUM_CANDIDATES, vocab))
+    threshold = _filter_threshold(ordered, vocab, params.top_k, params.top_p, params.min_p)
     filtered = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
     return jnp.where(is_greedy, greedy_tokens, _gumbel_max(filtered, params, key))
 
@@ -129,65 +131,38 @@ def apply_penalties(logits: Float[Array, "B V"], params: SamplingInputs, history
     return penalised - params.presence_penalty[:, None] * (counts > 0)
 
 
-def _sorted_threshold(
-    scaled: Float[Array, "B V"], top_k: Int[Array, " B"], top_p: Float[Array, " B"], min_p: Float[Array, " B"]
+def _filter_threshold(
+    ordered: Float[Array, "B K"],
+    vocab: int,
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    min_p: Float[Array, " B"],
 ) -> Float[Array, " B"]:
-    """The smallest temperature-scaled logit a row keeps after top-k, top-p and min-p.
+    """The smallest temperature-scaled logit a row keeps after top-k, top-p and min-p, from its K largest
+    logits in descending order: the whole sorted vocabulary (SORTED), or the NUM_CANDIDATES best
+    (CANDIDATES: exact when the row's top-k, if any, is at most K and its top-p comes with one).
 
-    Each filter keeps a prefix of the descending order, so their intersection is the prefix up to the
-    first position any of them drops, and its last logit is the threshold.
+    The three filters are thresholds on the logit, and a row keeps the logits at or above the largest:
+    top-k's is the k-th largest; top-p's the last logit of the descending prefix whose mass, renormalised
+    over the top-k survivors, reaches top_p; min-p's the maximum plus log(min_p). A filter that is off
+    gives -inf. (Entries beyond the K given that tie with the k-th do not count in the top-p mass.)
     """
-    vocab = scaled.shape[-1]
-    ordered = jnp.sort(scaled, axis=-1, descending=True)
-    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    kth_largest = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    size = ordered.shape[-1]
+    has_top_k = (top_k > 0) & (top_k < vocab)
+    kth_largest = jnp.take_along_axis(ordered, (jnp.clip(top_k, 1, size) - 1)[:, None], axis=-1)
+    kth_largest = jnp.where(has_top_k[:, None], kth_largest, -jnp.inf)
     in_top_k = ordered >= kth_largest
 
     probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-    cumulative = jnp.cumsum(probs, axis=-1)
-    mass_before = jnp.concatenate([jnp.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], axis=-1)
-    # top_p = 1 must keep every token even where float32 rounding pushes the cumulative sum to 1 early.
-    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-
-    # p >= min_p * p_max  <=>  z - z_max >= log(min_p); min_p = 0 gives -inf, which keeps everything.
-    in_min_p = ordered - ordered[:, :1] >= jnp.log(min_p)[:, None]
-
-    kept = in_top_k & in_top_p & in_min_p
-    # First dropped position, not sum(kept): a cumulative sum is not guaranteed monotone in float32.
-    num_kept = jnp.where(kept.all(axis=-1), vocab, jnp.argmin(kept, axis=-1))
-    num_kept = jnp.maximum(num_kept, 1)
-    return jnp.take_along_axis(ordered, (num_kept - 1)[:, None], axis=-1)[:, 0]
-
-
-def _candidate_threshold(
-    scaled: Float[Array, "B V"], top_k: Int[Array, " B"], top_p: Float[Array, " B"], min_p: Float[Array, " B"]
-) -> Float[Array, " B"]:
-    """`_sorted_threshold` from each row's NUM_CANDIDATES best logits: the same threshold when the row's
-    top-k (if any) is at most NUM_CANDIDATES and its top-p (if any) comes with such a top-k.
-
-    The three filters are thresholds on the logit: top-k's is the k-th largest, min-p's the maximum plus
-    log(min_p), top-p's the last logit of the descending prefix whose renormalised mass reaches top_p.
-    A row without top-k whose top-p is below 1 would need the whole vocabulary's mass: the host sends
-    such a batch to the SORTED mode. (Entries tied with the k-th beyond the candidates would count in
-    the top-p normalisation of the sorted mode and do not here.)
-    """
-    vocab = scaled.shape[-1]
-    num = min(NUM_CANDIDATES, vocab)
-    candidates, _ = two_stage_top_k(scaled, num)
-    has_top_k = (top_k > 0) & (top_k < vocab)
-    kth_largest = jnp.take_along_axis(candidates, (jnp.clip(top_k, 1, num) - 1)[:, None], axis=-1)
-    kth_largest = jnp.where(has_top_k[:, None], kth_largest, -jnp.inf)
-    in_top_k = candidates >= kth_largest
-
-    probs = jax.nn.softmax(jnp.where(in_top_k, candidates, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    kept = in_top_k & in_top_p
-    num_kept = jnp.maximum(jnp.where(kept.all(axis=-1), num, jnp.argmin(kept, axis=-1)), 1)
-    top_p_threshold = jnp.take_along_axis(candidates, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    # top_p = 1 must keep every token even where float32 rounding pushes the cumulative sum to 1 early.
+    kept = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    # First dropped position, not sum(kept): a cumulative sum is not guaranteed monotone in float32.
+    num_kept = jnp.maximum(jnp.where(kept.all(axis=-1), size, jnp.argmin(kept, axis=-1)), 1)
+    top_p_threshold = jnp.take_along_axis(ordered, (num_kept - 1)[:, None], axis=-1)[:, 0]
     top_p_threshold = jnp.where(top_p < 1.0, top_p_threshold, -jnp.inf)
     # p >= min_p * p_max  <=>  z >= z_max + log(min_p); min_p = 0 gives -inf, which keeps everything.
-    min_p_threshold = candidates[:, 0] + jnp.log(min_p)
+    min_p_threshold = ordered[:, 0] + jnp.log(min_p)
     return jnp.maximum(jnp.maximum(kth_largest[:, 0], top_p_threshold), min_p_threshold)
 
 
