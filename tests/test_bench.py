@@ -397,3 +397,12 @@ def test_latency_end_to_end_on_random_weights(capsys):
     # Each iteration: one prefill step, then a decode step for each of the 3 tokens after the first.
     assert record["steps"]["num_steps"] >= 3 * 4
     assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_s"]) == PERCENTILE_KEYS
+
+
+def test_random_weights_are_handed_over_on_the_host():
+    """As a checkpoint loader's: the engine places its serving copy, and no second copy stays on the device."""
+    import jax
+
+    model = bench.random_model("tiny-llama")
+    leaves = jax.tree.leaves(model.weights)
+    assert leaves and all(isinstance(leaf, np.ndarray) for leaf in leaves)
