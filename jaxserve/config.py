@@ -133,6 +133,9 @@ class CompileConfig:
         request is refused.
     compile_threads: executables compiled at once at warmup (XLA compiles outside the GIL); None uses
         min(8, the CPU count).
+    store_executables: keep every compiled step in a `steps` folder of the compilation cache, so that a
+        restart with the same model, table, devices and jaxserve/jax versions loads them instead of
+        tracing and compiling them (`jaxserve.executables`; at most 8 GiB, oldest removed first).
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None
@@ -142,6 +145,7 @@ class CompileConfig:
     penalty_variants: bool = True
     prompt_logprobs: bool = False
     compile_threads: int | None = None
+    store_executables: bool = True
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalising a field needs object.__setattr__.
@@ -155,6 +159,8 @@ class CompileConfig:
             raise ValueError(f"penalty_variants must be a bool, got {self.penalty_variants!r}")
         if not isinstance(self.prompt_logprobs, bool):
             raise ValueError(f"prompt_logprobs must be a bool, got {self.prompt_logprobs!r}")
+        if not isinstance(self.store_executables, bool):
+            raise ValueError(f"store_executables must be a bool, got {self.store_executables!r}")
         threads = self.compile_threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"compile_threads must be None or an int >= 1, got {threads!r}")

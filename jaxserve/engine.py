@@ -44,7 +44,14 @@ from jaxserve.config import EngineConfig
 from jaxserve.inputs import Bucket, BucketTable, StepConfig, make_step_inputs
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, make_requests
-from jaxserve.runner import Runner, RunnerSpec, StepOutput, enable_compilation_cache, resolve_backend
+from jaxserve.runner import (
+    Runner,
+    RunnerSpec,
+    StepOutput,
+    default_executable_store_dir,
+    enable_compilation_cache,
+    resolve_backend,
+)
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
 from jaxserve.tokenizer import Tokenizer
@@ -103,7 +110,8 @@ class Engine:
         dtype = model_dtype(config.dtype, weights)
         threads = config.compile.compile_threads or default_compile_threads()
         spec = RunnerSpec(family, cfg, self.steps, dtype, backend, MAX_LOGPROBS, compile_threads=threads)
-        self.runner = Runner(spec, weights, mesh=mesh, seed=seed)
+        store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
+        self.runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store)
         self.kv_budget = capacity.kv_budget(self.runner.profile(), config)
         if config.auto_max_batch_size:  # profiled at the upper bound: conservative for any smaller size
             self.config = config = _with_max_batch_size(config, self.kv_budget, cfg.vocab_size)

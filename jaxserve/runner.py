@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -41,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from jaxserve import capacity
+from jaxserve.executables import ExecutableStore
 from jaxserve.inputs import (
     Bucket,
     SamplerMode,
@@ -189,9 +191,18 @@ SamplerKey = tuple[int, SamplerMode, bool]  # (rows, sampler mode, penalties)
 class Runner:
     """Weights, KV cache and the compiled forwards and samplers; see the module docstring."""
 
-    def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        spec: RunnerSpec,
+        weights: Any,
+        mesh: Mesh | None = None,
+        seed: int = 0,
+        store_dir: str | os.PathLike | None = None,
+    ) -> None:
         self.spec = spec
         self.mesh = mesh if mesh is not None else make_mesh(tp=1, devices=jax.devices()[:1])
+        devices = list(self.mesh.devices.flat)
+        self.store = ExecutableStore(store_dir, devices) if store_dir is not None else None
         _check_heads_divide(spec, self.mesh.shape[MODEL_AXIS])
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         # The checkpoint layout in, the family's serving layout on the mesh, split by the rules table.
@@ -345,7 +356,7 @@ class Runner:
             ("forward", key, partial(self.compile_forward, *key, num_blocks)) for key in steps.forwards()
         ]
         jobs += [("sampler", key, partial(self.compile_sampler, *key)) for key in steps.samplers()]
-        start = time.perf_counter()
+        start, hits = time.perf_counter(), self.store.hits if self.store is not None else 0
 
         def compile_one(job: tuple[str, Any, Any]) -> tuple[str, Any, jax.stages.Compiled, float]:
             kind, key, build = job
@@ -361,11 +372,12 @@ class Runner:
                 logger.info("compiled %s %s in %.2fs", kind, _describe(kind, key), seconds)
         total = time.perf_counter() - start
         logger.info(
-            "warmup: %d forwards and %d samplers in %.1fs (%d threads)",
+            "warmup: %d forwards and %d samplers in %.1fs (%d threads; %s)",
             len(self._forwards),
             len(self._samplers),
             total,
             self.spec.compile_threads,
+            "no step store" if self.store is None else f"{self.store.hits - hits} loaded from the step store",
         )
         return total
 
@@ -388,7 +400,9 @@ class Runner:
         )
         inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), self.spec.steps)
         args = (weights, cache, jax.tree.map(self._abstract, inputs), self._abstract(self._previous))
-        return jax.jit(fn, donate_argnames=("kv_cache",)).lower(*args).compile()  # the pool updated in place
+        # The pool is donated: updated in place.
+        compile_fn = partial(_lower_and_compile, jax.jit(fn, donate_argnames=("kv_cache",)), args)
+        return self._compiled("forward", (bucket, prompt_logprobs, tensor_parallel), args, compile_fn)
 
     def compile_sampler(self, rows: int, mode: SamplerMode, penalties: bool) -> jax.stages.Compiled:
         """Lowers and compiles the sampler for `rows` rows in one mode, with or without penalties."""
@@ -397,7 +411,20 @@ class Runner:
         last_tokens = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
         sampling, history = (jax.tree.map(self._abstract, x) for x in (padding.sampling, padding.history))
         fn = partial(sampler_fn, spec=self.spec, mode=mode)
-        return jax.jit(fn).lower(logits, last_tokens, sampling, history, self._abstract(self._key)).compile()
+        args = (logits, last_tokens, sampling, history, self._abstract(self._key))
+        return self._compiled("sampler", (rows, mode, penalties), args, partial(_lower_and_compile, jax.jit(fn), args))
+
+    def _compiled(
+        self, kind: str, key: tuple, args: tuple, compile_fn: Callable[[], jax.stages.Compiled]
+    ) -> jax.stages.Compiled:
+        """compile_fn's executable, from the executable store when it has it (see `executables`)."""
+        if self.store is None:
+            return compile_fn()
+        spec = self.spec
+        statics = repr(
+            (spec.family.__name__, spec.cfg, spec.steps, str(spec.dtype), spec.backend, spec.num_top_logprobs)
+        )
+        return self.store.get_or_compile(kind, f"{statics} {key!r}", args, compile_fn)
 
     def _abstract(self, x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if sharding is not None else self._replicated)
@@ -449,6 +476,10 @@ class Runner:
             self.kv_cache = self._zero_cache(self.num_blocks)
 
 
+def _lower_and_compile(jitted: Any, args: tuple) -> jax.stages.Compiled:
+    return jitted.lower(*args).compile()
+
+
 def _describe(kind: str, key: Any) -> str:
     if kind == "forward":
         bucket, scoring = key
@@ -478,6 +509,11 @@ def resolve_backend(backend: str) -> str:
     if backend == "pallas" and platform != "gpu":
         raise ValueError(f"attention_backend='pallas' needs a GPU (jax runs on {platform}); use 'xla' or 'auto'")
     return backend
+
+
+def default_executable_store_dir(cache_dir: str | None) -> str:
+    """Where the runner keeps its compiled steps: a `steps` folder in the persistent compilation cache."""
+    return os.path.join(cache_dir or default_compilation_cache_dir(), "steps")
 
 
 def default_compilation_cache_dir() -> str:
