@@ -381,14 +381,17 @@ class Runner:
         )
         weights = jax.tree.map(lambda w: self._abstract(w, w.sharding), self.weights)
         specs = self.cache_specs(num_blocks)
+        cache_shardings = named_shardings(specs, self.mesh)
         cache = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh),
-            specs,
-            named_shardings(specs, self.mesh),
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh), specs, cache_shardings
         )
         inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), self.spec.steps)
         args = (weights, cache, jax.tree.map(self._abstract, inputs), self._abstract(self._previous))
-        return jax.jit(fn, donate_argnames=("kv_cache",)).lower(*args).compile()  # the pool updated in place
+        # The outputs replicated (under tensor parallelism XLA would leave the logits split over the vocabulary,
+        # which the sampler, compiled for replicated logits, refuses) and the pool kept in its own layout.
+        out_shardings = (self._replicated, cache_shardings)
+        jitted = jax.jit(fn, donate_argnames=("kv_cache",), out_shardings=out_shardings)
+        return jitted.lower(*args).compile()  # the pool updated in place
 
     def compile_sampler(self, rows: int, mode: SamplerMode, penalties: bool) -> jax.stages.Compiled:
         """Lowers and compiles the sampler for `rows` rows in one mode, with or without penalties."""
