@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec
 
 from models.common import ParamSpec
 from sharding.mesh import make_mesh
-from sharding.rules import partition_spec, shard_bytes, shard_shape
+from sharding.rules import layer_shardings, partition_spec, shard_bytes, shard_shape
 
 TP4 = {"data": 1, "model": 4}  # a mesh's axis sizes: all the arithmetic needs
 
@@ -61,3 +61,10 @@ def test_shard_shape_and_bytes_of_one_device():
     assert shard_bytes(pool, TP4, itemsize=2) == 2 * 10 * 16 * 2 * 64 * 2
     replicated = ParamSpec((2, 10, 16, 3, 64), ("layers", None, None, "kv_heads", "head_dim"))
     assert shard_shape(replicated, TP4) == replicated.shape
+
+
+def test_one_layer_of_stacked_weights_drops_the_layers_axis():
+    stacked = {"w": ParamSpec((2, 64, 8), ("layers", "embed", "mlp"))}
+    assert layer_shardings(stacked, make_mesh())["w"].spec == PartitionSpec(None, "model")
+    with pytest.raises(ValueError, match="first logical axis 'layers'"):
+        layer_shardings({"w": ParamSpec((64,), ("embed",))}, make_mesh())
