@@ -56,7 +56,7 @@ from jaxserve.sampler import sample
 from models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
 from models.common import delete_arrays
 from models.registry import ModelConfig, ModelFamily
-from sharding.mesh import MODEL_AXIS, make_mesh
+from sharding.mesh import MESH_AXES, MODEL_AXIS, make_mesh
 from sharding.rules import named_shardings
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,11 @@ class Runner:
     def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh | None = None, seed: int = 0) -> None:
         self.spec = spec
         self.mesh = mesh if mesh is not None else make_mesh(tp=1, devices=jax.devices()[:1])
+        if self.mesh.axis_names != MESH_AXES:  # the rules table and the kernels name these axes
+            raise ValueError(
+                f"the runner's mesh has axes {self.mesh.axis_names}, expected {MESH_AXES}: "
+                "sharding.mesh.serving_mesh maps a caller's mesh onto them"
+            )
         _check_heads_divide(spec, self.mesh.shape[MODEL_AXIS])
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         # The checkpoint layout in, the family's serving layout on the mesh, split by the rules table.
