@@ -139,10 +139,12 @@ class LLM:
         hf_config = dict(hf_config)
         family, cfg = registry.resolve(hf_config)
         tree = _pure_params(params)
-        dtype = engine_kwargs.get("dtype", "auto")
-        weights = load_from_pytree(family, cfg, tree, np.dtype(model_dtype(dtype, tree)).name)
+        dtype = np.dtype(model_dtype(engine_kwargs.get("dtype", "auto"), tree)).name
+        # Not cast here: the runner casts them to `dtype` layer by layer as it places them, so no cast copy
+        # of the whole tree is made.
+        weights = load_from_pytree(family, cfg, tree, dtype, cast=False)
         loaded = LoadedModel(family, cfg, weights, hf_config, None, "parameters in memory")
-        return cls(loaded, tokenizer=tokenizer, **engine_kwargs)
+        return cls(loaded, tokenizer=tokenizer, **{**engine_kwargs, "dtype": dtype})
 
     def update_weights(self, params: Any) -> int:
         """Replaces every weight's values in place (same shapes, placed and cast as the current ones),
