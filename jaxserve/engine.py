@@ -183,12 +183,13 @@ class Engine:
         """New values for every weight, in place and without compiling anything.
 
         `params`: what `models.loader.load_from_pytree` takes (the family's weights dataclass, or a nested
-        dict keyed by our field names or Hugging Face names), checked against the model's shapes and cast
-        to the serving dtype before anything changes. Every cached prefix is dropped (its K/V came from
-        the old weights). Refused while a request is unfinished: let them finish or abort them first."""
+        dict keyed by our field names or Hugging Face names), checked against the model's shapes before
+        anything changes and cast to the serving dtype layer by layer as it is placed (no cast copy of the
+        whole tree). Every cached prefix is dropped (its K/V came from the old weights). Refused while a
+        request is unfinished: let them finish or abort them first."""
         self._check_open("update_weights")
         family, cfg = self.runner.spec.family, self.runner.spec.cfg
-        weights = load_from_pytree(family, cfg, params, np.dtype(self.runner.spec.dtype).name)
+        weights = load_from_pytree(family, cfg, params, np.dtype(self.runner.spec.dtype).name, cast=False)
         self._refuse_while_busy("update_weights")
         self.runner.update_weights(weights)
         self.block_manager.reset([])

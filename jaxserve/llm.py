@@ -28,7 +28,7 @@ from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
 from jaxserve.tokenizer import Tokenizer, validate_conversations
 from models.hub import DEFAULT_MODEL
 from models.loader import LoadedModel, load_from_pytree, load_model
-from sharding.mesh import make_mesh
+from sharding.mesh import MODEL_AXIS, make_mesh, serving_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,12 @@ class LLM:
         sequences of 256 tokens the KV pool holds); max_num_tokens: tokens per
         step (default 8192, at most max_batch_size * max_seq_len); max_seq_len: from the model config
         when None (a larger value is lowered to it, with a warning).
-    tensor_parallel_size: devices the weights and the KV cache are split over.
+    tensor_parallel_size: devices the weights and the KV cache are split over (None: the mesh's "model"
+        axis size with a mesh, else 1); with a mesh it must equal that size.
+    mesh: a `jax.sharding.Mesh` to serve on (a trainer's): the weights and the KV cache are placed on its
+        devices by the rules table, split over its tensor-parallel axis and replicated over every other
+        axis. mesh_axes: which of its axes is the engine's "model" axis, e.g. {"model": "tp"} (None: the
+        axis named "model"; {"model": None}: replicate on every device); see `sharding.mesh.serving_mesh`.
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
     """
 
@@ -78,11 +83,14 @@ class LLM:
         scheduler_config: SchedulerConfig | None = None,
         compile_config: CompileConfig | None = None,
         attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | None = None,
+        mesh: Mesh | None = None,
+        mesh_axes: Mapping[str, str | None] | None = None,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
         _check_arguments(model, dtype, max_batch_size, tensor_parallel_size, seed, show_progress)
+        engine_mesh = _engine_mesh(mesh, mesh_axes, tensor_parallel_size)
         capacity.raise_memory_fraction_default()
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=resolve_dtype(dtype))
         self.model, self.tokenizer = loaded, _tokenizer(tokenizer, loaded)
@@ -98,14 +106,13 @@ class LLM:
             attention_backend=attention_backend,
             dtype=dtype,
         )
-        mesh: Mesh | None = make_mesh(tp=tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.engine = Engine(
             loaded.family,
             loaded.config,
             loaded.weights,
             self.tokenizer,
             self.config,
-            mesh=mesh,
+            mesh=engine_mesh,
             seed=seed % SEED_MODULUS,
             show_progress=show_progress,
         )
@@ -132,19 +139,24 @@ class LLM:
         hf_config = dict(hf_config)
         family, cfg = registry.resolve(hf_config)
         tree = _pure_params(params)
-        dtype = engine_kwargs.get("dtype", "auto")
-        weights = load_from_pytree(family, cfg, tree, np.dtype(model_dtype(dtype, tree)).name)
+        dtype = np.dtype(model_dtype(engine_kwargs.get("dtype", "auto"), tree)).name
+        # Not cast here: the runner casts them to `dtype` layer by layer as it places them, so no cast copy
+        # of the whole tree is made.
+        weights = load_from_pytree(family, cfg, tree, dtype, cast=False)
         loaded = LoadedModel(family, cfg, weights, hf_config, None, "parameters in memory")
-        return cls(loaded, tokenizer=tokenizer, **engine_kwargs)
+        return cls(loaded, tokenizer=tokenizer, **{**engine_kwargs, "dtype": dtype})
 
     def update_weights(self, params: Any) -> int:
         """Replaces every weight's values in place (same shapes, placed and cast as the current ones),
         without compiling anything, and returns the new weights version (1 after the first update).
 
         `params`: the model's weights dataclass, or a nested dict keyed by our field names or Hugging Face
-        names (as `models.loader.load_from_pytree` takes), checked before anything changes. The prefix
-        cache is dropped. Refused (RuntimeError) while a request is unfinished: call it between
-        `generate` calls. The old device buffers are freed layer by layer as the new ones are placed.
+        names (as `models.loader.load_from_pytree` takes), checked before anything changes. Its arrays may
+        be laid out in any way, on any devices (a trainer's FSDP or tensor-parallel shardings): each layer
+        is resharded into the serving layout on its way in (the first update from a layout not seen before
+        compiles that small slicing and resharding; the steps never recompile). The prefix cache is
+        dropped. Refused (RuntimeError) while a request is unfinished: call it between `generate` calls.
+        The old device buffers are freed layer by layer as the new ones are placed.
         """
         self.engine.update_weights(params)
         self.weights_version += 1
@@ -341,8 +353,7 @@ def _check_arguments(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     sizes = {"max_batch_size": max_batch_size, "tensor_parallel_size": tensor_parallel_size}
-    if max_batch_size is None:  # the platform's default
-        del sizes["max_batch_size"]
+    sizes = {name: value for name, value in sizes.items() if value is not None}  # None: the default
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
@@ -352,6 +363,24 @@ def _check_arguments(
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
     if not isinstance(show_progress, bool):
         raise TypeError(f"show_progress must be a bool, got {show_progress!r}")
+
+
+def _engine_mesh(mesh: Mesh | None, axes: Mapping[str, str | None] | None, tp: int | None) -> Mesh | None:
+    """The engine's mesh: the caller's (axes mapped by `serving_mesh`), or one of tp local devices (None: one
+    device); a tensor_parallel_size given with a mesh must be its tensor-parallel size."""
+    if mesh is None:
+        if axes is not None:
+            raise ValueError("mesh_axes names axes of a mesh: pass mesh= too, or leave mesh_axes out")
+        return make_mesh(tp=tp) if tp is not None and tp > 1 else None
+    serving = serving_mesh(mesh, axes)
+    size = serving.shape[MODEL_AXIS]
+    if tp is not None and tp != size:
+        raise ValueError(
+            f"tensor_parallel_size={tp} disagrees with the mesh, whose tensor-parallel axis has {size} devices "
+            f"(the mesh's axes: {dict(mesh.shape)}, mesh_axes={axes}): leave tensor_parallel_size out or make "
+            "them equal"
+        )
+    return serving
 
 
 def _pure_params(params: Any) -> Any:

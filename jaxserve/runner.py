@@ -58,7 +58,7 @@ from jaxserve.sampler import sample
 from models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
 from models.common import delete_arrays
 from models.registry import ModelConfig, ModelFamily
-from sharding.mesh import MODEL_AXIS, make_mesh
+from sharding.mesh import MESH_AXES, MODEL_AXIS, make_mesh
 from sharding.rules import named_shardings
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,11 @@ class Runner:
     ) -> None:
         self.spec = spec
         self.mesh = mesh if mesh is not None else make_mesh(tp=1, devices=jax.devices()[:1])
+        if self.mesh.axis_names != MESH_AXES:  # the rules table and the kernels name these axes
+            raise ValueError(
+                f"the runner's mesh has axes {self.mesh.axis_names}, expected {MESH_AXES}: "
+                "sharding.mesh.serving_mesh maps a caller's mesh onto them"
+            )
         devices = list(self.mesh.devices.flat)
         self.store = ExecutableStore(store_dir, devices) if store_dir is not None else None
         _check_heads_divide(spec, self.mesh.shape[MODEL_AXIS])
@@ -393,15 +398,18 @@ class Runner:
         )
         weights = jax.tree.map(lambda w: self._abstract(w, w.sharding), self.weights)
         specs = self.cache_specs(num_blocks)
+        cache_shardings = named_shardings(specs, self.mesh)
         cache = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh),
-            specs,
-            named_shardings(specs, self.mesh),
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh), specs, cache_shardings
         )
         inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), self.spec.steps)
         args = (weights, cache, jax.tree.map(self._abstract, inputs), self._abstract(self._previous))
-        # The pool is donated: updated in place.
-        compile_fn = partial(_lower_and_compile, jax.jit(fn, donate_argnames=("kv_cache",)), args)
+        # The outputs replicated (under tensor parallelism XLA would leave the logits split over the vocabulary,
+        # which the sampler, compiled for replicated logits, refuses) and the pool kept in its own layout,
+        # donated: updated in place.
+        out_shardings = (self._replicated, cache_shardings)
+        jitted = jax.jit(fn, donate_argnames=("kv_cache",), out_shardings=out_shardings)
+        compile_fn = partial(_lower_and_compile, jitted, args)
         return self._compiled("forward", (bucket, prompt_logprobs, tensor_parallel), args, compile_fn)
 
     def compile_sampler(self, rows: int, mode: SamplerMode, penalties: bool) -> jax.stages.Compiled:

@@ -369,8 +369,11 @@ def gated_mlp(
 def place(value: Any, sharding: Any, dtype: Any = None) -> Any:
     """An array on the device (with `sharding`, or the default device's when None), floating-point
     values cast to `dtype` when given; always a buffer of its own, never `value`'s (whoever holds the
-    result may free it: the runner does on sleep, close and update_weights)."""
+    result may free it: the runner does on sleep, close and update_weights). `value` may lie on other
+    devices than `sharding`'s (a trainer's mesh)."""
     if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != dtype:
+        if sharding is not None:  # jit refuses an argument laid out over other devices than its output
+            value = jax.device_put(value, sharding)
         return _caster(jnp.dtype(dtype), sharding)(value)
     if isinstance(value, jax.Array):
         value = jnp.copy(value)  # device_put hands back the same array when it is already in place

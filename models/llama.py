@@ -45,6 +45,7 @@ from models.common import (
     rms_norm,
     rope_frequencies,
 )
+from sharding.rules import layer_shardings
 
 # Hugging Face defaults for keys a config.json may omit, per model_type.
 _HF_DEFAULTS: dict[str, dict] = {
@@ -320,14 +321,19 @@ def to_serving(
 
     One layer at a time: host weights cross to the device layer by layer, and the device holds the
     serving copy plus one layer of the source at most (besides the source itself when it is on the
-    device). `replacing`: serving weights whose buffers are deleted as their replacements are built
-    (an update in place), so old and new copies coexist for one layer at a time."""
+    device). Device weights may be laid out in any way, on any devices (a trainer's FSDP or tensor-
+    parallel layout): each layer is first moved to the checkpoint layout the rules table gives on the
+    serving mesh, so the fuser sees one input layout whatever the source's. `replacing`: serving weights
+    whose buffers are deleted as their replacements are built (an update in place), so old and new
+    copies coexist for one layer at a time."""
     fuse = _layer_fuser(
         cfg, None if dtype is None else jnp.dtype(dtype), None if shardings is None else shardings.layers[0]
     )
+    source = None if shardings is None else layer_shardings(param_specs(cfg).layers, shardings.layers[0].wqkv.mesh)
     layers = []
     for i in range(cfg.num_layers):
-        layers.append(fuse(jax.tree.map(lambda w, i=i: w[i], weights.layers)))
+        layer = jax.tree.map(lambda w, i=i: w[i], weights.layers)
+        layers.append(fuse(layer if source is None else jax.device_put(layer, source)))
         if replacing is not None:
             delete_arrays(replacing.layers[i])
 

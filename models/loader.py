@@ -381,8 +381,9 @@ def _flax_to_torch_names(flat: dict[str, Any]) -> dict[str, Any]:
     return renamed
 
 
-def _cast_fields(spec_tree: Any, leaves: Mapping[str, Any], dtype: str) -> Any:
-    """Our field names -> validated, cast jax arrays in the weights dataclass."""
+def _cast_fields(spec_tree: Any, leaves: Mapping[str, Any], dtype: str, cast: bool = True) -> Any:
+    """Our field names -> validated, cast jax arrays in the weights dataclass; without `cast`, floating-point
+    arrays as they are (numpy or jax, on whatever devices)."""
     specs = spec_leaves(spec_tree)
     extra = sorted(set(leaves) - set(specs))
     if extra:
@@ -398,29 +399,37 @@ def _cast_fields(spec_tree: Any, leaves: Mapping[str, Any], dtype: str) -> Any:
             raise ValueError(f"missing parameter {path} (expected shape {spec.shape})")
         if tuple(value.shape) != spec.shape:
             raise ValueError(f"parameter {path}: shape {tuple(value.shape)}, expected {spec.shape}")
-        out[path] = jnp.asarray(value, dtype=jnp.dtype(dtype))
+        if cast:
+            out[path] = jnp.asarray(value, dtype=jnp.dtype(dtype))
+        elif not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError(f"parameter {path}: dtype {value.dtype}, expected a floating-point array")
+        else:
+            out[path] = value
     return build_tree(spec_tree, out)
 
 
-def load_from_pytree(family: ModelFamily, cfg: Any, params: Any, dtype: str = "bfloat16") -> Any:
+def load_from_pytree(family: ModelFamily, cfg: Any, params: Any, dtype: str = "bfloat16", *, cast: bool = True) -> Any:
     """Weights from parameters already in memory, validated against `param_specs(cfg)` and cast to `dtype`.
 
     `params` is the family's weights dataclass, or a nested dict (a Flax param tree, with or without
     its top-level "params" key) keyed by our field names ("embed", "layers" -> "wq", ...) or by
     Hugging Face names ("model" -> "layers" -> "0" -> "self_attn" -> "q_proj" -> "weight" / "kernel").
-    Arrays that already match stay on their device; only the cast copies them.
+    Arrays that already match stay on their device; only the cast copies them. `cast=False` leaves
+    field-named floating-point arrays in their own dtype, for a caller that casts them layer by layer
+    (`to_serving`), so no cast copy of the whole tree is made (Hugging Face-named trees are assembled
+    on the host and cast there either way).
     """
     numpy_dtype(dtype)
     spec_tree = family.param_specs(cfg)
     if isinstance(params, type(spec_tree)):
-        return _cast_fields(spec_tree, spec_leaves(params), dtype)
+        return _cast_fields(spec_tree, spec_leaves(params), dtype, cast)
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a {type(spec_tree).__name__} or a nested dict, got {type(params).__name__}")
     if set(params) == {"params"}:
         params = params["params"]
     flat = _flatten(params)
     if set(flat) & set(spec_leaves(spec_tree)):
-        return _cast_fields(spec_tree, flat, dtype)
+        return _cast_fields(spec_tree, flat, dtype, cast)
     return load_from_tensors(family, cfg, _flax_to_torch_names(flat), dtype)
 
 

@@ -89,6 +89,18 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_unflatten(treedef, shardings)
 
 
+def layer_shardings(stacked_specs: Any, mesh: Mesh) -> Any:
+    """A tree of NamedSharding for one layer of stacked weights: `stacked_specs` (ParamSpec leaves whose
+    first axis is "layers") with that axis dropped."""
+
+    def one_layer(spec: ParamSpec) -> ParamSpec:
+        if spec.logical_axes[:1] != ("layers",):
+            raise ValueError(f"expected a stacked weight (first logical axis 'layers'), got {spec}")
+        return ParamSpec(spec.shape[1:], spec.logical_axes[1:])
+
+    return named_shardings(jax.tree.map(one_layer, stacked_specs, is_leaf=lambda x: isinstance(x, ParamSpec)), mesh)
+
+
 def shard_weights(weights: Any, specs: Any, mesh: Mesh) -> Any:
     """Place a weights pytree on the mesh according to its ParamSpec tree."""
     return jax.device_put(weights, named_shardings(specs, mesh))

@@ -8,8 +8,10 @@ A tiny random Llama on the xla backend (its vocabulary has 160 tokens) and the o
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from jaxserve.config import CompileConfig, KvCacheConfig, SchedulerConfig
 from jaxserve.llm import LLM
@@ -219,6 +221,8 @@ def construct(model_source=None, **kwargs):
     return build
 
 
+ONE_DEVICE_TRAINER = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))  # a trainer's axis names
+
 CONSTRUCTOR_CASES = [
     ("max-batch-size-zero", construct(max_batch_size=0), ValueError, "max_batch_size must be an int >= 1"),
     ("max-batch-size-negative", construct(max_batch_size=-3), ValueError, "max_batch_size"),
@@ -229,6 +233,16 @@ CONSTRUCTOR_CASES = [
     ("tp-str", construct(tensor_parallel_size="2"), TypeError, "tensor_parallel_size"),
     ("tp-float", construct(tensor_parallel_size=2.0), TypeError, "tensor_parallel_size"),
     ("tp-too-many-devices", construct(tensor_parallel_size=64), ValueError, "needs 64 devices"),
+    ("mesh-str", construct(mesh="data,model"), TypeError, "mesh must be a jax.sharding.Mesh"),
+    ("mesh-without-model-axis", construct(mesh=ONE_DEVICE_TRAINER), ValueError, "no 'model' axis"),
+    ("mesh-axes-unknown", construct(mesh=ONE_DEVICE_TRAINER, mesh_axes={"model": "x"}), ValueError, "'x' is not"),
+    ("mesh-axes-without-mesh", construct(mesh_axes={"model": "tp"}), ValueError, "pass mesh= too"),
+    (
+        "tp-disagrees-with-mesh",
+        construct(mesh=ONE_DEVICE_TRAINER, mesh_axes={"model": "tp"}, tensor_parallel_size=2),
+        ValueError,
+        "tensor_parallel_size=2 disagrees with the mesh, whose tensor-parallel axis has 1 devices",
+    ),
     ("llm-seed-str", construct(seed="x"), TypeError, "seed must be an int"),
     ("llm-seed-float", construct(seed=1.5), TypeError, "seed must be an int"),
     ("llm-seed-none", construct(seed=None), TypeError, "seed must be an int"),

@@ -13,7 +13,9 @@ import pytest
 
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
+from jaxserve.llm import LLM
 from jaxserve.sampling import SamplingParams
+from models.loader import load_from_pytree
 
 VOCAB = 160
 NEW_TOKENS = 8
@@ -109,6 +111,9 @@ def test_parameters_that_do_not_fit_are_refused_before_anything_changes(model_an
         llm.update_weights(wrong_shape)
     with pytest.raises(ValueError, match="no_such_weight"):
         llm.update_weights({"no_such_weight": np.zeros(3, np.float32)})
+    integers = dataclasses.replace(new, layers=dataclasses.replace(layers, wq=layers.wq.astype(jnp.int32)))
+    with pytest.raises(ValueError, match=r"parameter layers\.wq: dtype int32, expected a floating-point array"):
+        llm.update_weights(integers)
     assert llm.weights_version == 0 and tokens(llm, batch) == before
 
 
@@ -119,3 +124,40 @@ def test_the_old_buffers_are_freed(model_and_llm):
     assert all(leaf.is_deleted() for leaf in old)
     new = jax.tree.leaves(llm.engine.runner.weights)
     assert [(x.shape, x.dtype, x.sharding) for x in new] == [(x.shape, x.dtype, x.sharding) for x in old]
+
+
+def test_float32_parameters_into_a_bfloat16_llm_are_cast_layer_by_layer_compiling_nothing(tiny_model, char_tokenizer):
+    """A trainer's float32 parameters served in bfloat16: neither from_params nor update_weights makes a cast
+    copy of the tree (the loader hands the arrays on as they are), the runner casts each layer as it places
+    it, and an update in the construction's dtype compiles nothing."""
+    model = tiny_model("llama")
+    family, cfg = model.family, model.config
+    assert load_from_pytree(family, cfg, model.weights, "bfloat16", cast=False).layers.wq is model.weights.layers.wq
+    llm = LLM.from_params(
+        model.weights,
+        model.hf_config,
+        char_tokenizer(),
+        dtype="bfloat16",
+        max_batch_size=4,
+        max_num_tokens=32,
+        max_seq_len=128,
+        compile_config=BUCKETS,
+        attention_backend="xla",
+        show_progress=False,
+    )
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(llm.engine.runner.weights))
+    batch = prompts(seed=6, count=2)
+    before = tokens(llm, batch)
+    other = family.init_weights(cfg, jax.random.key(61), jnp.float32)
+    _compiles.clear()
+    _counting[0] = True
+    try:
+        llm.update_weights(other)
+        changed = tokens(llm, batch)
+        llm.update_weights(model.weights)
+        again = tokens(llm, batch)
+    finally:
+        _counting[0] = False
+    assert not _compiles, f"update_weights or the generate after it compiled: {_compiles}"
+    assert changed != before and again == before
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(llm.engine.runner.weights))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import jax
+import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from models.common import ParamSpec
-from sharding.mesh import make_mesh
-from sharding.rules import partition_spec, shard_bytes, shard_shape
+from sharding.mesh import make_mesh, serving_mesh
+from sharding.rules import layer_shardings, partition_spec, shard_bytes, shard_shape
 
 TP4 = {"data": 1, "model": 4}  # a mesh's axis sizes: all the arithmetic needs
 
@@ -61,3 +63,44 @@ def test_shard_shape_and_bytes_of_one_device():
     assert shard_bytes(pool, TP4, itemsize=2) == 2 * 10 * 16 * 2 * 64 * 2
     replicated = ParamSpec((2, 10, 16, 3, 64), ("layers", None, None, "kv_heads", "head_dim"))
     assert shard_shape(replicated, TP4) == replicated.shape
+
+
+def one_device_mesh(*names: str) -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+
+
+def test_a_callers_mesh_becomes_data_and_model_over_the_same_devices():
+    trainer = one_device_mesh("fsdp", "tp")
+    assert serving_mesh(trainer, {"model": "tp"}).axis_names == ("data", "model")
+    assert serving_mesh(one_device_mesh("data", "model")).shape == {"data": 1, "model": 1}
+    replicated = serving_mesh(one_device_mesh("replica", "fsdp", "sequence"), {"model": None})
+    assert replicated.shape == {"data": 1, "model": 1} and replicated.devices.flat[0] == jax.devices()[0]
+
+
+TRAINER = one_device_mesh("fsdp", "tp")
+FOUND = "(the mesh's axes: {'fsdp': 1, 'tp': 1})"
+
+
+@pytest.mark.parametrize(
+    ("mesh", "axes", "error", "message"),
+    [
+        (TRAINER, None, ValueError, f"the mesh has no 'model' axis to split the model over {FOUND}"),
+        (TRAINER, {"model": "tensor"}, ValueError, f"mesh_axes['model'] = 'tensor' is not an axis of the mesh {FOUND}"),
+        (TRAINER, {"data": "fsdp", "model": "tp"}, ValueError, "got the keys ['data', 'model']"),
+        (TRAINER, {}, ValueError, "mesh_axes maps the engine's one sharded axis, 'model'"),
+        (TRAINER, "tp", TypeError, "mesh_axes must be a dict"),
+        ("data,model", None, TypeError, "mesh must be a jax.sharding.Mesh, got str"),
+    ],
+    ids=["no-model-axis", "unknown-axis", "data-key", "empty", "axes-str", "mesh-str"],
+)
+def test_a_mesh_the_engine_cannot_map_is_a_clear_error(mesh, axes, error, message):
+    with pytest.raises(error) as raised:
+        serving_mesh(mesh, axes)
+    assert message in str(raised.value), str(raised.value)
+
+
+def test_one_layer_of_stacked_weights_drops_the_layers_axis():
+    stacked = {"w": ParamSpec((2, 64, 8), ("layers", "embed", "mlp"))}
+    assert layer_shardings(stacked, make_mesh())["w"].spec == PartitionSpec(None, "model")
+    with pytest.raises(ValueError, match="first logical axis 'layers'"):
+        layer_shardings({"w": ParamSpec((64,), ("embed",))}, make_mesh())
