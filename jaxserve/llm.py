@@ -62,6 +62,8 @@ class LLM:
         step (default 8192, at most max_batch_size * max_seq_len); max_seq_len: from the model config
         when None (a larger value is lowered to it, with a warning).
     tensor_parallel_size: devices the weights and the KV cache are split over.
+    logprobs_mode: "raw_logprobs" (default) or "processed_logprobs": what sampled tokens' logprobs are
+        taken over (`EngineConfig.logprobs_mode`, vLLM's option of that name).
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
     """
 
@@ -79,6 +81,7 @@ class LLM:
         compile_config: CompileConfig | None = None,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        logprobs_mode: str = "raw_logprobs",
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -97,6 +100,7 @@ class LLM:
             compile=compile_config,
             attention_backend=attention_backend,
             dtype=dtype,
+            logprobs_mode=logprobs_mode,
         )
         mesh: Mesh | None = make_mesh(tp=tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.engine = Engine(
