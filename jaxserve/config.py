@@ -27,6 +27,9 @@ ROPE_TYPES_WITHOUT_LENGTH_SCALING = frozenset({"su", "longrope", "llama3", "yarn
 AttentionBackend = Literal["auto", "pallas", "xla"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "pallas", "xla")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# What sampled tokens' logprobs are taken over (vLLM's logprobs_mode names): the model's logits, or the
+# logits the token is drawn from (after penalties, temperature and the top-k / top-p / min-p filters).
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
 
 
 def _require_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
@@ -177,6 +180,12 @@ class EngineConfig:
     attention_backend: "pallas", "xla", or "auto" (pallas on GPU, xla elsewhere).
     dtype: weights / activations / KV dtype: "auto" (the weights' as given), "float32", "bfloat16",
         "float16" (the weights are cast to it when placed on the devices).
+    logprobs_mode: what the sampled tokens' logprobs (`SamplingParams.logprobs`, `token_logprobs`)
+        are taken over, as vLLM's option of that name: "raw_logprobs" (the default, vLLM's: the model's
+        distribution, min_tokens bans applied, before penalties and temperature) or
+        "processed_logprobs" (the distribution the token is drawn from: after penalties, temperature
+        and the top-k / top-p / min-p filters; a greedy row's after penalties only). Prompt logprobs
+        are always raw.
     """
 
     max_batch_size: int
@@ -188,6 +197,7 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     dtype: str = "auto"
     auto_max_batch_size: bool = False
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         _require_int("max_batch_size", self.max_batch_size, 1)
@@ -202,6 +212,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -286,6 +298,7 @@ def make_engine_config(
     attention_backend: AttentionBackend = "auto",
     dtype: str = "auto",
     auto_max_batch_size: bool = False,
+    logprobs_mode: str = "raw_logprobs",
 ) -> EngineConfig:
     """An EngineConfig whose max_seq_len and max_num_tokens follow TensorRT-LLM's inference rules."""
     seq_len = infer_max_seq_len(hf_config, max_seq_len)
@@ -299,4 +312,5 @@ def make_engine_config(
         attention_backend=attention_backend,
         dtype=dtype,
         auto_max_batch_size=auto_max_batch_size,
+        logprobs_mode=logprobs_mode,
     )

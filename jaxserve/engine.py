@@ -109,7 +109,9 @@ class Engine:
         backend = resolve_backend(config.attention_backend)
         dtype = model_dtype(config.dtype, weights)
         threads = config.compile.compile_threads or default_compile_threads()
-        spec = RunnerSpec(family, cfg, self.steps, dtype, backend, MAX_LOGPROBS, compile_threads=threads)
+        spec = RunnerSpec(
+            family, cfg, self.steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode
+        )
         store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
         self.runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store)
         self.kv_budget = capacity.kv_budget(self.runner.profile(), config)
@@ -354,18 +356,29 @@ class Engine:
         batch, out = flight.batch, flight.output
         tokens = np.asarray(out.token_ids)[: len(batch.rows)]
         prompt_logprobs = jax.device_get(out.prompt_logprobs) if out.prompt_logprobs is not None else None
-        wants_logprobs = any(row.request.sampling_params.logprobs is not None for row in batch.rows)
-        logprobs = jax.device_get(out.logprobs) if wants_logprobs else None
+        logprobs, sampled_logprobs = _read_logprobs(batch, out)
         if prompt_logprobs is not None:
             self.outputs.add_prompt_logprobs(batch, prompt_logprobs)
         received = self.scheduler.update(batch, tokens)
         self.stats.append(flight.stats)
         row_of = {id(row.request): i for i, row in enumerate(batch.rows)}
         for request in received:
-            stop = self.outputs.add_token(request, logprobs, row_of[id(request)])
+            stop = self.outputs.add_token(request, logprobs, row_of[id(request)], sampled_logprobs)
             if stop is not None:
                 self.scheduler.finish(request, FinishReason.STOP, stop_reason=stop)
         return {request.request_id for request in received}
+
+
+def _read_logprobs(batch: ScheduledBatch, out: StepOutput) -> tuple[Any, np.ndarray | None]:
+    """What the step's rows asked for, read back: every TokenLogprobs leaf when a row wants top logprobs
+    (dicts), else only the sampled tokens' logprobs when a row wants those, else nothing (no transfer)."""
+    params = [row.request.sampling_params for row in batch.rows]
+    if any(p.logprobs is not None for p in params):
+        logprobs = jax.device_get(out.logprobs)
+        return logprobs, logprobs.logprob
+    if any(p.token_logprobs for p in params):
+        return None, jax.device_get(out.logprobs.logprob)
+    return None, None
 
 
 def _checked_params(params: SamplingParams | None, steps: StepConfig, num_eos_tokens: int) -> SamplingParams:

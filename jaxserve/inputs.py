@@ -188,7 +188,7 @@ class SamplerMode(Enum):
     """How the step's sampler cuts the filters (jaxserve/sampler.py): chosen per step on the host, so
     the device never branches."""
 
-    GREEDY = "greedy"  # every row greedy, none asks for logprobs: an argmax
+    GREEDY = "greedy"  # every row greedy, none asks for top logprobs: an argmax (and the tokens' logprobs)
     CANDIDATES = "candidates"  # filters from each row's NUM_CANDIDATES best logits
     SORTED = "sorted"  # filters from a sort of the whole vocabulary (top-p without a small top-k)
 
@@ -204,8 +204,8 @@ class StepVariant:
     The runner runs a step as two compiled calls: the forward, per (bucket, prompt_logprobs), and the
     sampler, per (rows, sampler, penalties).
 
-    sampler: how the sampler cuts the filters (`SamplerMode`); every mode but GREEDY also returns the
-        sampled tokens' logprobs.
+    sampler: how the sampler cuts the filters (`SamplerMode`); every mode returns the sampled tokens'
+        logprobs, every mode but GREEDY the top logprobs too.
     penalties: the step receives each row's token history for the repetition / presence / frequency
         penalties.
     prompt_logprobs: the step also scores every flat token's next prompt token (token buckets only).
@@ -295,10 +295,11 @@ class StepConfig:
         return StepVariant(self.sampler_mode(params), penalties, prompt_logprobs)
 
     def sampler_mode(self, params: list[SamplingParams]) -> SamplerMode:
-        """GREEDY when every row is greedy and none wants logprobs; CANDIDATES when every sampling row's
+        """GREEDY when every row is greedy and none wants top logprobs (the sampled token's own logprob,
+        `logprobs=0` or `token_logprobs`, comes with every mode); CANDIDATES when every sampling row's
         filters fit NUM_CANDIDATES logits; else SORTED."""
         sampling = [p for p in params if not p.is_greedy]
-        if not sampling and all(p.logprobs is None for p in params):
+        if not sampling and all(not p.logprobs for p in params):
             return SamplerMode.GREEDY
         if all(self._fits_candidates(p) for p in sampling):
             return SamplerMode.CANDIDATES

@@ -67,6 +67,8 @@ class LLM:
         devices by the rules table, split over its tensor-parallel axis and replicated over every other
         axis. mesh_axes: which of its axes is the engine's "model" axis, e.g. {"model": "tp"} (None: the
         axis named "model"; {"model": None}: replicate on every device); see `sharding.mesh.serving_mesh`.
+    logprobs_mode: "raw_logprobs" (default) or "processed_logprobs": what sampled tokens' logprobs are
+        taken over (`EngineConfig.logprobs_mode`, vLLM's option of that name).
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
     """
 
@@ -86,6 +88,7 @@ class LLM:
         tensor_parallel_size: int | None = None,
         mesh: Mesh | None = None,
         mesh_axes: Mapping[str, str | None] | None = None,
+        logprobs_mode: str = "raw_logprobs",
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -105,6 +108,7 @@ class LLM:
             compile=compile_config,
             attention_backend=attention_backend,
             dtype=dtype,
+            logprobs_mode=logprobs_mode,
         )
         self.engine = Engine(
             loaded.family,

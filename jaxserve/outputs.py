@@ -1,5 +1,5 @@
-"""Host output processing: detokenizing, stop strings, logprob dictionaries, n-sample groups and
-RequestOutput building (vLLM's OutputProcessor; the engine loop stays free of it).
+"""Host output processing: detokenizing, stop strings, logprob dictionaries and arrays, n-sample groups
+and RequestOutput building (vLLM's OutputProcessor; the engine loop stays free of it).
 
 The engine feeds each sample's new token once the scheduler has applied the token stop rules (EOS,
 stop ids, length): `add_token` detokenizes it, records its logprobs and returns the stop string it
@@ -13,7 +13,7 @@ Host policy: no jax here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,7 +33,8 @@ class _Sample:
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    logprobs: list[PositionLogprobs]
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
     stop: str | None = None  # the stop string that ended the text ...
     stop_index: int | None = None  # ... and where it begins
 
@@ -49,7 +50,7 @@ class _Sample:
         return text[: len(text) - stop_holdback(text, stops)]
 
     def completion(self) -> CompletionOutput:
-        request = self.request
+        request, params = self.request, self.request.sampling_params
         reason = request.finish_reason.value if request.finish_reason is not None else None
         if self.stop is not None and request.is_finished:
             reason = FinishReason.STOP.value
@@ -57,9 +58,10 @@ class _Sample:
             index=request.index,
             text=self.text,
             token_ids=list(request.output_token_ids),
-            logprobs=list(self.logprobs) if request.sampling_params.logprobs is not None else None,
+            logprobs=list(self.logprobs) if params.logprobs is not None else None,
             finish_reason=reason,
             stop_reason=self.stop if self.stop is not None else request.stop_reason,
+            token_logprobs=np.array(self.token_logprobs, np.float32) if params.token_logprobs else None,
         )
 
 
@@ -104,7 +106,7 @@ class OutputProcessor:
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             samples=[
-                _Sample(r, IncrementalDetokenizer(self._tokenizer, prompt_token_ids, params.skip_special_tokens), [])
+                _Sample(r, IncrementalDetokenizer(self._tokenizer, prompt_token_ids, params.skip_special_tokens))
                 for r in samples
             ],
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -116,15 +118,25 @@ class OutputProcessor:
         group = self._groups[request_id]
         return group.stream or group.finished
 
-    def add_token(self, request: Request, logprobs: TokenLogprobs | None, row: int) -> str | None:
-        """Takes the sample's newest token (and its logprobs at `row` of the step); returns the stop string
-        its text now contains, for the caller to finish the request with, or None."""
+    def add_token(
+        self,
+        request: Request,
+        logprobs: TokenLogprobs | None,
+        row: int,
+        sampled_logprobs: np.ndarray | None = None,
+    ) -> str | None:
+        """Takes the sample's newest token and, at `row` of the step, its logprobs (host TokenLogprobs,
+        when a row asked for top logprobs) and its own logprob (`sampled_logprobs`, when a row asked for
+        any); returns the stop string its text now contains, for the caller to finish the request with,
+        or None."""
         sample = self._groups[request.request_id].samples[request.index]
         if sample.stop is not None:
             return None
         token, params = request.token_ids[-1], request.sampling_params
         if logprobs is not None and params.logprobs is not None:
             sample.logprobs.append(position_logprobs(logprobs, row, token, params.logprobs))
+        if sampled_logprobs is not None and params.token_logprobs:
+            sample.token_logprobs.append(float(sampled_logprobs[row]))
         detokenizer = sample.detokenizer
         checked = len(detokenizer.text)
         detokenizer.add(token)

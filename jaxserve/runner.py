@@ -54,7 +54,7 @@ from jaxserve.inputs import (
     padding_inputs,
 )
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
-from jaxserve.sampler import sample
+from jaxserve.sampler import sample_with_logits
 from models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
 from models.common import delete_arrays
 from models.registry import ModelConfig, ModelFamily
@@ -74,7 +74,7 @@ class StepOutput:
 
     token_ids: padded to max_batch_size rows, so the next step can gather from it whatever bucket
         either step used.
-    logprobs: of each row's sampled token (zeros in a step where no row asked for logprobs).
+    logprobs: of each row's sampled token (the top-N zero in a GREEDY step).
     key: the PRNG key of the next step.
     prompt_logprobs: per flat token, of the prompt token after it (prompt-logprobs variants only).
     """
@@ -108,6 +108,7 @@ class RunnerSpec:
     backend: str  # "pallas" | "xla"
     num_top_logprobs: int
     compile_threads: int = 1
+    logprobs_mode: str = "raw_logprobs"  # EngineConfig.logprobs_mode
 
 
 def forward_fn(
@@ -156,18 +157,25 @@ def sampler_fn(
     mode: SamplerMode,
 ) -> tuple[Int[Array, " Bmax"], TokenLogprobs, Array]:
     """The sampling part of one step: the tokens padded to max_batch_size rows (so the next step can
-    gather from them whatever bucket either used), their logprobs (zeros in the GREEDY mode), the next
-    key. A history (penalties) gets each carried token written in first."""
+    gather from them whatever bucket either used), their logprobs, the next key. A history (penalties)
+    gets each carried token written in first.
+
+    Every mode scores the sampled tokens (logprob and rank) over the raw or the processed logits
+    (`spec.logprobs_mode`); the GREEDY mode, which serves no row that asks for top logprobs, leaves the
+    top-N zero. The host reads them back only when a row asks."""
     if history is not None:
         rows = jnp.arange(last_tokens.shape[0])
         filled = history.token_ids.at[rows, history.carried_column].set(last_tokens, mode="drop")
         history = TokenHistory(filled, history.num_prompt_tokens, history.carried_column)
     key, next_key = jax.random.split(key)
-    sampled = sample(logits, sampling, key, mode=mode, history=history)
+    sampled, processed = sample_with_logits(logits, sampling, key, mode=mode, history=history)
+    scored = processed if spec.logprobs_mode == "processed_logprobs" else logits
     if mode is SamplerMode.GREEDY:
-        logprobs = no_token_logprobs(logits.shape[0], spec.num_top_logprobs)
+        chosen = token_logprobs(scored, sampled, 0)
+        empty = no_token_logprobs(logits.shape[0], spec.num_top_logprobs)
+        logprobs = TokenLogprobs(chosen.logprob, chosen.rank, empty.top_logprobs, empty.top_ids)
     else:
-        logprobs = token_logprobs(logits, sampled, spec.num_top_logprobs)
+        logprobs = token_logprobs(scored, sampled, spec.num_top_logprobs)
     padded = jnp.zeros(spec.steps.buckets.max_batch_size, jnp.int32).at[: sampled.shape[0]].set(sampled)
     return padded, logprobs, next_key
 
@@ -428,10 +436,8 @@ class Runner:
         """compile_fn's executable, from the executable store when it has it (see `executables`)."""
         if self.store is None:
             return compile_fn()
-        spec = self.spec
-        statics = repr(
-            (spec.family.__name__, spec.cfg, spec.steps, str(spec.dtype), spec.backend, spec.num_top_logprobs)
-        )
+        # Every field of the spec but the thread count decides the executable; the family by its name.
+        statics = repr((self.spec.family.__name__, replace(self.spec, family=None, compile_threads=0)))
         return self.store.get_or_compile(kind, f"{statics} {key!r}", args, compile_fn)
 
     def _abstract(self, x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:

@@ -6,7 +6,7 @@ launches it wait for the device to reach the predicate (docs/benchmarks.md, "Thi
 would stall the host behind every sampling step. What a batch needs is chosen on the host instead,
 as the sampler mode (`SamplerMode`, part of `inputs.StepVariant`):
 
-- GREEDY: every row is greedy and none asks for logprobs: an argmax.
+- GREEDY: every row is greedy and none asks for top logprobs: an argmax.
 - CANDIDATES: the filters are cut from each row's NUM_CANDIDATES most likely tokens, found in two
   cheap stages (`two_stage_top_k`); exact whenever every row's top-k fits the candidates and every top-p row
   has such a top-k (the host checks, `inputs.sampler_mode`); min-p needs only the maximum.
@@ -64,11 +64,25 @@ def sample(
     row's penalties are neutral. With a history they are applied to every row (neutral rows come out
     bit-identical): the caller passes one only when some row has a penalty.
     """
+    return sample_with_logits(logits, params, key, mode=mode, history=history)[0]
+
+
+def sample_with_logits(
+    logits: Float[Array, "B V"],
+    params: SamplingInputs,
+    key: Array,
+    *,
+    mode: SamplerMode,
+    history: TokenHistory | None = None,
+) -> tuple[Int[Array, " B"], Float[Array, "B V"]]:
+    """`sample`'s tokens and the logits each row's token is drawn from (vLLM's "processed" logits):
+    a greedy row's penalised logits (its argmax), a sampling row's penalised, temperature-scaled logits
+    with -inf outside what its top-k / top-p / min-p keep. A row gets the same in every mode."""
     logits = logits.astype(jnp.float32)
     penalised = logits if history is None else apply_penalties(logits, params, history)
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     if mode is SamplerMode.GREEDY:
-        return greedy_tokens
+        return greedy_tokens, penalised
 
     is_greedy = (params.temperature < GREEDY_TEMPERATURE) | (params.top_k == 1)
     scaled = penalised / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
@@ -79,7 +93,8 @@ def sample(
         ordered, _ = two_stage_top_k(scaled, min(NUM_CANDIDATES, vocab))
     threshold = _filter_threshold(ordered, vocab, params.top_k, params.top_p, params.min_p)
     filtered = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
-    return jnp.where(is_greedy, greedy_tokens, _gumbel_max(filtered, params, key))
+    tokens = jnp.where(is_greedy, greedy_tokens, _gumbel_max(filtered, params, key))
+    return tokens, jnp.where(is_greedy[:, None], penalised, filtered)
 
 
 def two_stage_top_k(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 # Most logprobs a request may ask for per token (vLLM's default max_logprobs).
@@ -146,9 +148,13 @@ class SamplingParams:
         not part of the output); stored as a tuple.
     stop_token_ids: a list of token ids (>= 0) that end the output; a bare int is refused, as vLLM's
         server schema refuses it; stored as a tuple. ignore_eos: keep generating after EOS.
-    logprobs: None or [0, 20]: logprobs of the sampled token and this many alternatives.
+    logprobs: None or [0, 20]: logprobs of the sampled token and this many alternatives, as one
+        {token_id: Logprob} dict per token (`CompletionOutput.logprobs`).
     prompt_logprobs: None or [0, 20], for the prompt tokens.
     skip_special_tokens: drop special tokens when detokenizing.
+    token_logprobs: also return the logprob of every sampled token as one float32 numpy array
+        (`CompletionOutput.token_logprobs`), without building any dict: what RL needs, cheaply. Both
+        kinds of logprob follow the engine's `logprobs_mode` (raw by default, as vLLM's).
     """
 
     n: int = 1
@@ -168,6 +174,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    token_logprobs: bool = False
 
     def __post_init__(self) -> None:
         normalized = {
@@ -178,7 +185,7 @@ class SamplingParams:
         }
         for name, value in normalized.items():  # frozen: normalized values go in through object.__setattr__
             object.__setattr__(self, name, value)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "token_logprobs"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
@@ -225,6 +232,8 @@ class CompletionOutput:
 
     finish_reason: None while running, else a FinishReason value ("stop", "length", "abort", "error").
     stop_reason: the stop token id or stop string that ended it, if any.
+    token_logprobs: with `SamplingParams(token_logprobs=True)`, the logprob of each of token_ids
+        (float32, shape [len(token_ids)]); else None.
     """
 
     index: int
@@ -233,6 +242,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_logprobs: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

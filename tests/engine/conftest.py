@@ -95,8 +95,10 @@ def _make_llm(
     max_num_tokens: int = 32,
     max_seq_len: int = 128,
     enable_prefix_caching: bool = True,
+    **engine_kwargs: Any,
 ) -> LLM:
-    """An xla-backend engine over `model`; kv_tokens caps the KV pool (None: what the batch can use)."""
+    """An xla-backend engine over `model`; kv_tokens caps the KV pool (None: what the batch can use);
+    engine_kwargs: other `LLM` keywords."""
     return LLM(
         model,
         tokenizer=tokenizer if tokenizer is not None else CharTokenizer(),
@@ -108,6 +110,7 @@ def _make_llm(
         compile_config=compile_config,
         attention_backend="xla",
         show_progress=False,
+        **engine_kwargs,
     )
 
 

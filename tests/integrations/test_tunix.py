@@ -1,0 +1,241 @@
+"""jaxserve as google-tunix's rollout engine: `JaxserveRollout` against tunix's own expectations (its
+RolloutOutput layout, its per-token logps of its own model forward), then a few GRPO steps of a tiny
+random-weight tunix Llama3 end to end on CPU with the rollout served by jaxserve.
+
+Needs google-tunix (`pip install -e ".[tunix]"`; CI runs this file in its Python 3.12 virtualenv).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix", reason='google-tunix is not installed: pip install -e ".[tunix]" (Python >= 3.11)')
+
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from grain import python as grain  # noqa: E402
+from tunix.models.llama3 import model as llama3  # noqa: E402
+from tunix.rl import common  # noqa: E402
+from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
+from tunix.rl.grpo import grpo_learner  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
+
+from jaxserve.config import CompileConfig  # noqa: E402
+from jaxserve.integrations.tunix import JaxserveRollout  # noqa: E402
+
+pytestmark = pytest.mark.needs_tunix
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 64
+MAX_PROMPT = 16
+MAX_NEW = 8
+ENGINE = dict(
+    max_batch_size=4,
+    max_num_tokens=64,
+    compile_config=CompileConfig(decode_batch_sizes=(4,), token_buckets=(64,), penalty_variants=False),
+    attention_backend="xla",
+)
+
+
+class CharTokenizer:
+    """Lowercase letters and a few marks, one id each after PAD, BOS and EOS (tunix's custom-tokenizer
+    interface: encode, decode, bos_id, eos_id, pad_id)."""
+
+    CHARS = "abcdefghijklmnopqrstuvwxyz ?.!"
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        return [3 + self.CHARS.index(c) for c in text]
+
+    def decode(self, ids, **kwargs) -> str:
+        return "".join(self.CHARS[i - 3] if 3 <= i < 3 + len(self.CHARS) else f"<{i}>" for i in ids)
+
+    def bos_id(self) -> int:
+        return BOS
+
+    def eos_id(self) -> int:
+        return EOS
+
+    def pad_id(self) -> int:
+        return PAD
+
+
+def tiny_llama3(seed: int) -> llama3.Llama3:
+    config = llama3.ModelConfig(
+        num_layers=2,
+        vocab_size=VOCAB,
+        embed_dim=64,
+        hidden_dim=96,
+        num_heads=4,
+        head_dim=16,
+        num_kv_heads=2,
+        rope_theta=10_000,
+        norm_eps=1e-5,
+    )
+    model = llama3.Llama3(config, rngs=nnx.Rngs(seed))
+    # Larger logits than tunix's unit-normal init gives a 64-wide model, so that sampling is not uniform.
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x * 3.0, state))
+    return model
+
+
+def rollout_config(**overrides) -> base_rollout.RolloutConfig:
+    fields = dict(
+        max_tokens_to_generate=MAX_NEW,
+        max_prompt_length=MAX_PROMPT,
+        kv_cache_size=64,
+        temperature=0.9,
+        top_p=1.0,
+        top_k=None,
+        return_logprobs=True,
+    )
+    return base_rollout.RolloutConfig(**{**fields, **overrides})
+
+
+def tunix_logps(model, prompt_tokens, completion_tokens, temperature) -> np.ndarray:
+    """tunix's own per-token logps of its own model forward (what its trainer computes for the actor)."""
+    graphdef, state = nnx.split(model)
+    logps = common.compute_per_token_logps(
+        graphdef,
+        state,
+        prompt_tokens=jnp.asarray(prompt_tokens),
+        completion_tokens=jnp.asarray(completion_tokens),
+        pad_id=PAD,
+        eos_id=EOS,
+        temperature=temperature,
+    )
+    return np.asarray(logps)
+
+
+def padded_completions(tokens: list[np.ndarray]) -> np.ndarray:
+    out = np.full((len(tokens), MAX_NEW), PAD, np.int32)
+    for i, t in enumerate(tokens):
+        out[i, : len(t)] = t
+    return out
+
+
+def check_logps_match_tunix(model, out, config) -> None:
+    """The rollout's logprobs of every generated token (EOS included) against tunix's forward."""
+    completions = padded_completions(out.tokens)
+    expected = tunix_logps(model, out.left_padded_prompt_tokens, completions, config.temperature)
+    for row, logprobs in enumerate(out.logprobs):
+        n = len(out.tokens[row])
+        np.testing.assert_allclose(logprobs, expected[row, :n], atol=2e-4, rtol=0, err_msg=f"row {row}")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+
+
+def test_rollout_generate_logps_and_update_params_against_tunix(mesh):
+    model = tiny_llama3(seed=0)
+    config = rollout_config()
+    rollout = JaxserveRollout(model, CharTokenizer(), mesh, config, **ENGINE)
+    assert (rollout.pad_id(), rollout.eos_id(), rollout.model()) == (PAD, EOS, None)
+
+    prompts = ["hello there", "what is two plus two?", "hello there", "a"]
+    out = rollout.generate(prompts, config)
+
+    assert len(out.text) == len(out.tokens) == len(out.logprobs) == len(prompts)
+    assert out.logits is None
+    # The longest prompt (BOS + 21 tokens) exceeds max_prompt_length: padded to the next power of two.
+    assert out.left_padded_prompt_tokens.shape == (len(prompts), 32)
+    first = out.left_padded_prompt_tokens[0]
+    assert first[-12:].tolist() == [BOS, *CharTokenizer().encode("hello there")]
+    assert (first[:-12] == PAD).all()
+    for tokens, logprobs, text in zip(out.tokens, out.logprobs, out.text, strict=True):
+        assert tokens.dtype == np.int32 and 1 <= len(tokens) <= MAX_NEW
+        assert logprobs.dtype == np.float32 and logprobs.shape == tokens.shape
+        assert EOS not in tokens[:-1].tolist(), "generation stops at EOS, which it keeps"
+        assert text == CharTokenizer().decode(tokens.tolist())
+    assert out.tokens[0].tolist() != out.tokens[2].tolist() or len(out.tokens[0]) == 1, "copies sampled alike"
+    check_logps_match_tunix(model, out, config)
+    assert np.ptp(np.concatenate(out.logprobs)) > 1.0, "a distribution far from uniform"
+
+    completions = padded_completions(out.tokens)
+    logps = np.asarray(rollout.get_per_token_logps(out.left_padded_prompt_tokens, completions))
+    assert logps.shape == completions.shape
+    for row, logprobs in enumerate(out.logprobs):
+        np.testing.assert_array_equal(logps[row, : len(logprobs)], logprobs)
+        assert (logps[row, len(logprobs) :] == 0).all()
+    with pytest.raises(ValueError, match="row 0 was not generated by the last generate call"):
+        rollout.get_per_token_logps(out.left_padded_prompt_tokens[:1], completions[:1] % 7 + 3)
+
+    # tunix's weight sync: new values for the actor's Params, served without recompiling.
+    trained = tiny_llama3(seed=1)
+    rollout.update_params(nnx.state(trained, nnx.Param), (nnx.Param,))
+    assert rollout.llm.weights_version == 1
+    greedy = rollout_config(temperature=0.0)
+    out = rollout.generate(prompts[:2], greedy)
+    check_logps_match_tunix(trained, out, greedy)
+    with pytest.raises(ValueError, match="LoRA parameter layers.0.attn.q_proj.w_lora_a"):
+        rollout.update_params({"layers": {0: {"attn": {"q_proj": {"w_lora_a": jnp.zeros((64, 4))}}}}})
+
+
+def count_a(prompts, completions, **kwargs):
+    """Reward: how many 'a' a completion holds."""
+    return [float(c.count("a")) for c in completions]
+
+
+class Prompts(grain.RandomAccessDataSource):
+    def __init__(self, prompts: list[str]) -> None:
+        self._prompts = prompts
+
+    def __getitem__(self, index: int) -> str:
+        return self._prompts[index]
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+
+def test_grpo_steps_with_the_jaxserve_rollout(mesh):
+    """GRPO with a reference model (beta > 0) and two iterations per batch (old logps from the rollout):
+    the actor trains, every weight sync reaches the engine, and its logprobs stay tunix's own."""
+    actor, reference = tiny_llama3(seed=0), tiny_llama3(seed=0)
+    before = jax.tree.map(jnp.copy, nnx.state(actor, nnx.Param))
+    config = rollout_config()
+    roles = rl_cluster_lib.Role
+    cluster = rl_cluster_lib.RLCluster(
+        actor=actor,
+        reference=reference,
+        tokenizer=CharTokenizer(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+            rollout_engine=functools.partial(JaxserveRollout, **ENGINE),
+            offload_to_cpu=False,
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=4
+            ),
+            rollout_config=config,
+        ),
+    )
+    rollout = cluster.rollout
+    assert isinstance(rollout, JaxserveRollout)
+    calls = {"logps": 0}
+    original = rollout.get_per_token_logps
+
+    def counted(*args):
+        calls["logps"] += 1
+        return original(*args)
+
+    rollout.get_per_token_logps = counted
+    learner = grpo_learner.GRPOLearner(
+        rl_cluster=cluster,
+        reward_fns=count_a,
+        algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=2, beta=0.04),
+    )
+    dataset = grain.MapDataset.source(Prompts(["a cat", "banana", "say aaa", "hi"] * 2)).batch(2)
+    learner.train(dataset.map(lambda prompts: {"prompts": prompts}))
+
+    trained = nnx.state(cluster.actor_trainer.model, nnx.Param)
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, trained))
+    assert any(changed), "the actor trains"
+    assert cluster.global_steps >= 1 and rollout.llm.weights_version == cluster.global_steps
+    assert calls["logps"] >= 1, "num_iterations > 1 reads the old policy's logps from the rollout"
+    out = rollout.generate(["a cat", "banana"], config)
+    check_logps_match_tunix(cluster.actor_trainer.model, out, config)
