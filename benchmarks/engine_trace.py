@@ -120,11 +120,13 @@ def phase_table(timers: Timers, skip: int) -> None:
     for name, steps in groups.items():
         if not steps:
             continue
-        print(f"\n{name} steps: {len(steps)} (ms per step: mean / p90)")
+        print(f"\n{name} steps: {len(steps)} (ms per step: mean / p90 / max)")
         for phase in PHASES:
             values = [1e3 * s.get(phase, 0.0) for s in steps]
             p90 = float(np.percentile(values, 90))
-            print(f"  {phase:<14} {statistics.fmean(values):8.3f} / {p90:8.3f}")
+            print(f"  {phase:<14} {statistics.fmean(values):8.3f} / {p90:8.3f} / {max(values):8.3f}")
+        shares = [(s.get("forward_call", 0.0) + s.get("sampler_call", 0.0)) / s["step_total"] for s in steps]
+        print(f"  dispatch (forward + sampler call) / step: mean {statistics.fmean(shares):.1%}, max {max(shares):.1%}")
 
 
 def trace_summary(events: list[Event], num_steps: int, top: int) -> None:

@@ -262,7 +262,9 @@ def _add_engine_options(group: Any) -> None:
         metavar="N,N,...",
         help="comma-separated token counts of prefill steps to compile",
     )
-    group.add_argument("--cache-dir", metavar="DIR", help="persistent compilation cache directory")
+    group.add_argument(
+        "--cache-dir", metavar="DIR", help="compiled-step store directory (default: ~/.cache/jaxserve/xla)"
+    )
     group.add_argument(
         "--compile-threads",
         type=_int_at_least(1),

@@ -128,7 +128,8 @@ class CompileConfig:
         max_num_tokens. Stored sorted and deduplicated; max_num_tokens is always added.
     enable_padding: pad a decode step up to the next decode batch size; without it a decode step
         whose size is not in the table runs in a mixed bucket.
-    cache_dir: persistent compilation cache directory; None uses the default under the user cache dir.
+    cache_dir: directory of the compiled-step store (or of jax's persistent compilation cache without the
+        store); None uses the default under the user cache dir ($JAXSERVE_CACHE or ~/.cache/jaxserve).
     penalty_variants: also compile every sampler with a token history, which the repetition / presence /
         frequency penalties need; without it a request that asks for a penalty is refused.
     prompt_logprobs: also compile every token bucket with logprobs at every prompt position, which
@@ -136,9 +137,10 @@ class CompileConfig:
         request is refused.
     compile_threads: executables compiled at once at warmup (XLA compiles outside the GIL); None uses
         min(8, the CPU count).
-    store_executables: keep every compiled step in a `steps` folder of the compilation cache, so that a
-        restart with the same model, table, devices and jaxserve/jax versions loads them instead of
-        tracing and compiling them (`jaxserve.executables`; at most 8 GiB, oldest removed first).
+    store_executables: keep every compiled step in a `steps` folder of cache_dir, so that a restart with
+        the same model, table, devices and jaxserve/jax versions loads them instead of tracing and
+        compiling them (`jaxserve.executables`; at most 8 GiB, least recently used removed first). It
+        stands in for jax's persistent compilation cache, which is turned on only when this is False.
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None

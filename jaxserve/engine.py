@@ -105,7 +105,8 @@ class Engine:
     ) -> None:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, cfg.vocab_size
         self.steps = StepConfig.from_config(config, cfg.vocab_size)
-        enable_compilation_cache(config.compile.cache_dir)
+        if not config.compile.store_executables:  # the step store stands in for jax's cache
+            enable_compilation_cache(config.compile.cache_dir)
         backend = resolve_backend(config.attention_backend)
         dtype = model_dtype(config.dtype, weights)
         threads = config.compile.compile_threads or default_compile_threads()

@@ -12,15 +12,15 @@ executable (`jax.experimental.serialize_executable`) under a key made of everyth
 - the step's kind and its static arguments (the model config, the step table, dtype, backend, bucket,
   variant) and its abstract arguments (tree structure, shapes, dtypes, shardings).
 
-A step the store does not have is compiled with jax's cache off (see `_jax_cache_off`), then stored.
-An entry that cannot be read or loaded is logged, removed and compiled again; an executable that cannot be
-serialized is simply not stored. The store keeps at most `max_bytes` (oldest entries removed first).
-Entries are pickles, like jax's own cache entries: only a directory the user controls should hold them.
+The store stands in for jax's persistent cache: the engine turns that one on only without the store,
+and while it is on the store saves nothing (see `jax_cache_on`). An entry that cannot be read or loaded
+is logged, removed and compiled again; an executable that cannot be serialized is not stored. The store
+keeps at most `max_bytes` (least recently used entries removed first). Entries are pickles, like jax's
+own cache entries: only a directory the user controls should hold them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -87,17 +87,13 @@ def abstract_signature(args: Any) -> str:
     return repr((str(tree), shapes))
 
 
-def _jax_cache_off() -> contextlib.AbstractContextManager | None:
-    """jax's persistent cache switched off in this thread only, or None where this jax has no such switch.
+def jax_cache_on() -> bool:
+    """Whether jax's persistent compilation cache is on in this process (its directory set, not disabled).
 
-    A step that misses the store is compiled afresh: an executable jax loaded from its own cache does not
-    always serialize whole again (XLA:CPU drops functions from it: "Function ... not found" when run)."""
-    try:
-        from jax._src import config
-    except ImportError:
-        return None
-    switch = getattr(config, "enable_compilation_cache", None)
-    return switch(False) if callable(switch) else None
+    While it is, the store saves nothing: an executable jax loaded from its cache does not always
+    serialize whole again (XLA:CPU drops functions from it, "Function ... not found" when it runs), and a
+    compile cannot be kept from using the cache (jax decides that once per process)."""
+    return bool(jax.config.jax_compilation_cache_dir) and bool(jax.config.jax_enable_compilation_cache)
 
 
 class ExecutableStore:
@@ -112,6 +108,7 @@ class ExecutableStore:
         self._environment = environment(self.devices)
         self.hits = 0
         self.misses = 0
+        self._warned = False
 
     def key(self, kind: str, statics: str, args: Any) -> str:
         text = repr((source_digest(), self._environment, kind, statics, abstract_signature(args)))
@@ -127,12 +124,13 @@ class ExecutableStore:
             self.hits += 1
             return loaded
         self.misses += 1
-        without_jax_cache = _jax_cache_off()
-        if without_jax_cache is None:  # a jax without the switch: compile as usual, store nothing
-            return compile_fn()
-        with without_jax_cache:
-            compiled = compile_fn()
-        self._save(key, compiled)
+        compiled = compile_fn()
+        if jax_cache_on():
+            if not self._warned:
+                logger.info("jax's persistent compilation cache is on: the step store loads but stores nothing")
+                self._warned = True
+        else:
+            self._save(key, compiled)
         return compiled
 
     def _path(self, key: str) -> Path:

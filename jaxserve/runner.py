@@ -383,16 +383,36 @@ class Runner:
             ):
                 (self._forwards if kind == "forward" else self._samplers)[key] = compiled
                 logger.info("compiled %s %s in %.2fs", kind, _describe(kind, key), seconds)
+        compiled_in = time.perf_counter() - start
+        first_runs = self._run_each_once() if jax.default_backend() == "gpu" else 0.0
         total = time.perf_counter() - start
         logger.info(
-            "warmup: %d forwards and %d samplers in %.1fs (%d threads; %s)",
+            "warmup: %d forwards and %d samplers in %.1fs (%d threads; %s; each run once in %.1fs)",
             len(self._forwards),
             len(self._samplers),
-            total,
+            compiled_in,
             self.spec.compile_threads,
             "no step store" if self.store is None else f"{self.store.hits - hits} loaded from the step store",
+            first_runs,
         )
         return total
+
+    def _run_each_once(self) -> float:
+        """Runs every compiled forward and sampler once on all-padding inputs (their K/V go to the reserved
+        block); returns the seconds taken. An executable's first run on a GPU loads its kernels and
+        resolves its constants (tens of ms for a forward), which would otherwise stall the first step of
+        each shape the engine meets, as CUDA-graph capture does in other engines."""
+        start, steps, ran = time.perf_counter(), self.spec.steps, set()
+        for (bucket, prompt_logprobs), forward in self._forwards.items():
+            inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), steps)
+            out, self.kv_cache = forward(self.weights, self.kv_cache, replace(inputs, history=None), self._previous)
+            for (rows, mode, penalties), sampler in self._samplers.items():
+                if rows == bucket.num_seqs and (rows, mode, penalties) not in ran:
+                    padding = padding_inputs(bucket, StepVariant(mode, penalties), steps)
+                    sampler(out.logits, out.last_tokens, padding.sampling, padding.history, self._key)
+                    ran.add((rows, mode, penalties))
+        jax.block_until_ready(self.kv_cache)
+        return time.perf_counter() - start
 
     def compile_forward(self, bucket: Bucket, prompt_logprobs: bool, num_blocks: int) -> jax.stages.Compiled:
         """Lowers and compiles one bucket's forward for a pool of num_blocks blocks."""

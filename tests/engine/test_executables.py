@@ -121,7 +121,50 @@ def test_an_engine_built_again_loads_every_step_and_generates_the_same_tokens(tm
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         llm.close()
     assert tokens[0] == tokens[1]
-    off = dataclasses.replace(config, store_executables=False)
-    llm = make_llm(model, compile_config=off)
-    assert llm.engine.runner.store is None
+
+
+def test_without_the_store_the_engine_turns_on_jax_cache_instead(tiny_model, make_llm, monkeypatch, tmp_path):
+    from jaxserve import engine
+
+    enabled = []
+    monkeypatch.setattr(engine, "enable_compilation_cache", enabled.append)  # jax's cache is process-wide
+    config = CompileConfig(
+        decode_batch_sizes=(2,), token_buckets=(16,), penalty_variants=False, cache_dir=str(tmp_path)
+    )
+    llm = make_llm(tiny_model("llama"), compile_config=config)
+    assert llm.engine.runner.store is not None and enabled == []
+    llm.close()
+    llm = make_llm(tiny_model("llama"), compile_config=dataclasses.replace(config, store_executables=False))
+    assert llm.engine.runner.store is None and enabled == [str(tmp_path)]
+    llm.close()
+
+
+def test_nothing_is_stored_while_jax_cache_is_on(tmp_path, monkeypatch, caplog):
+    from jaxserve import executables
+
+    monkeypatch.setattr(executables, "jax_cache_on", lambda: True)
+    calls = []
+    store = ExecutableStore(tmp_path, jax.devices()[:1])
+    with caplog.at_level(logging.INFO, logger="jaxserve.executables"):
+        store.get_or_compile("f", "s", _args(), _compile_fn(_args(), calls))
+    assert calls == [1] and list(tmp_path.glob("*.exe")) == []
+    assert "stores nothing" in caplog.text
+
+
+def test_running_every_step_once_leaves_the_pool_and_the_tokens_alone(tiny_model, make_llm):
+    """What the warmup does on a GPU (each executable's first run loads its kernels), run on CPU: every
+    forward and sampler once on padding, which writes only the reserved block."""
+    model = tiny_model("llama")
+    llm = make_llm(model, compile_config=CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32)))
+    prompts = [[3, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59], [2, 4, 6]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    runner = llm.engine.runner
+    pool = jax.tree.map(lambda x: np.asarray(x)[:, 1:].copy(), runner.kv_cache)  # all but the reserved block
+    assert any(np.abs(x).sum() > 0 for x in jax.tree.leaves(pool)), "the prompts should have filled blocks"
+    seconds = runner._run_each_once()
+    assert seconds > 0
+    after_pool = jax.tree.map(lambda x: np.asarray(x)[:, 1:], runner.kv_cache)
+    jax.tree.map(np.testing.assert_array_equal, after_pool, pool)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
     llm.close()
