@@ -12,7 +12,8 @@
   reused, so every admitted sequence computes at least one token (the one whose logits it samples).
   A fork therefore needs no copy-on-write: the child shares the parent's full prompt blocks and
   recomputes the partial tail (at most block_size tokens) into blocks of its own.
-- A request that asks for prompt logprobs takes no prefix-cache hits: it needs every prompt logit.
+- A request that asks for prompt logprobs takes prefix-cache hits only below the position it is scored
+  from (`SamplingParams.prompt_logprobs_start`): scoring position p needs the logits computed at p - 1.
 
 A block's hash is registered once the tokens it holds are known on the host and its KV has been
 written by a step already dispatched (`cache_full_blocks`, called on update and before a free), so a
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,10 +65,12 @@ class PrefixProbe:
 
     num_cached_blocks: leading full blocks found in the cache.
     num_in_use: of those, blocks other sequences hold now (reusing them takes no free block).
+    next_block_hash: the hash of the first reusable full block the cache lacks (None: none lacking).
     """
 
     num_cached_blocks: int
     num_in_use: int
+    next_block_hash: bytes | None = None
 
 
 class BlockManager:
@@ -131,33 +134,55 @@ class BlockManager:
     # ---- prefix lookup and admission -----------------------------------------------------------
 
     def _max_reusable_blocks(self, request: Request) -> int:
-        # Never the block of the last known token: its logits must be computed to sample from.
-        return (len(request.token_ids) - 1) // self.block_size
+        # Never the block of the last known token: its logits must be computed to sample from. Nor, when
+        # the prompt is scored from position s, the block of token s - 1, whose logits score position s.
+        last_needed = len(request.token_ids) - 1
+        scored_start = request.sampling_params.scored_prompt_start
+        if scored_start is not None:
+            last_needed = min(last_needed, scored_start - 1)
+        return last_needed // self.block_size
 
     def _lookup(self, request: Request) -> list[tuple[int, bytes]]:
-        """(block, hash) of the leading cached full blocks of the request's known tokens.
-
-        A request that asks for prompt logprobs reuses nothing: the logits of cached positions are
-        never computed (vLLM skips the prefix cache for such requests too).
-        """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        """(block, hash) of the leading cached full blocks of the request's known tokens (those before
+        the position its prompt is scored from, when it asks for prompt logprobs)."""
+        if not self.enable_prefix_caching:
             return []
-        found: list[tuple[int, bytes]] = []
+        return [(block, block_hash) for block, block_hash in self._leading_blocks(request) if block is not None]
+
+    def _leading_blocks(self, request: Request) -> Iterator[tuple[int | None, bytes]]:
+        """(cached block, hash) of each reusable full block of the request, up to and including the first
+        that the cache lacks (block None)."""
         parent: bytes | None = None
         tokens = request.token_ids
         for i in range(self._max_reusable_blocks(request)):
             parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             block = self._hash_to_block.get(parent)
+            yield block, parent
             if block is None:
-                break
-            found.append((block, parent))
-        return found
+                return
 
     def probe(self, request: Request) -> PrefixProbe:
         """Prefix hits admitting `request` would get; changes nothing."""
-        found = self._lookup(request)
-        in_use = sum(1 for block, _ in found if self._ref_counts[block] > 0)
-        return PrefixProbe(num_cached_blocks=len(found), num_in_use=in_use)
+        if not self.enable_prefix_caching:
+            return PrefixProbe(num_cached_blocks=0, num_in_use=0)
+        leading = list(self._leading_blocks(request))
+        found = [block for block, _ in leading if block is not None]
+        in_use = sum(1 for block in found if self._ref_counts[block] > 0)
+        next_hash = leading[-1][1] if leading and leading[-1][0] is None else None
+        return PrefixProbe(num_cached_blocks=len(found), num_in_use=in_use, next_block_hash=next_hash)
+
+    def uncached_prompt_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full prompt blocks not registered yet: the blocks it is computing (or
+        will), which a request with the same prefix can take once they are registered."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes: list[bytes] = []
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        tokens = request.token_ids
+        for i in range(len(request.block_hashes), request.num_prompt_tokens // self.block_size):
+            parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes
 
     def allocate(self, request: Request) -> int:
         """Takes the cached blocks of the request's prefix; returns the number of tokens they hold.

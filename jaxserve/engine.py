@@ -161,6 +161,11 @@ class Engine:
         else:
             text, ids = None, list(prompt)
         validate_prompt_token_ids(ids, self.vocab_size)
+        if params.prompt_logprobs_start and params.prompt_logprobs_start >= len(ids):
+            raise ValueError(
+                f"prompt_logprobs_start={params.prompt_logprobs_start} scores no position of a prompt of {len(ids)} "
+                "tokens: it must be below the prompt's length"
+            )
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")

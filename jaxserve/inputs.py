@@ -38,7 +38,7 @@ from jaxtyping import Bool, Float32, Int32, UInt32
 from jaxserve.block_manager import RESERVED_BLOCK
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.sampling import SamplingParams
-from jaxserve.scheduler import ScheduledBatch
+from jaxserve.scheduler import ScheduledBatch, ScheduledRow
 
 # Smallest default token bucket: a shorter mixed step costs the same padded to 16, and every bucket
 # costs a compilation at warmup.
@@ -289,9 +289,7 @@ class StepConfig:
         sampler mode that is exact for every row."""
         params = [row.request.sampling_params for row in batch.rows if row.samples]  # others' logits are unused
         penalties = any(has_penalty(p) for p in params)
-        prompt_logprobs = any(
-            row.request.sampling_params.prompt_logprobs is not None for row in batch.rows if row.is_prefill
-        )
+        prompt_logprobs = any(_scores_prompt(row) for row in batch.rows)
         return StepVariant(self.sampler_mode(params), penalties, prompt_logprobs)
 
     def sampler_mode(self, params: list[SamplingParams]) -> SamplerMode:
@@ -585,15 +583,22 @@ def _fill_history(history: TokenHistory, batch: ScheduledBatch, carried_mask: np
         history.num_prompt_tokens[b] = request.num_prompt_tokens
 
 
+def _scores_prompt(row: ScheduledRow) -> bool:
+    """Whether the row's chunk scores a prompt position: it holds a token at or after scored start - 1."""
+    scored_start = row.request.sampling_params.scored_prompt_start
+    return row.is_prefill and scored_start is not None and row.start + row.num_tokens >= scored_start
+
+
 def _fill_prompt_targets(targets: np.ndarray, batch: ScheduledBatch) -> None:
     """For each flat token of a scoring row, the prompt token after it (the logprob of prompt position
-    p + 1 is read at position p); NO_TARGET elsewhere."""
+    p + 1 is read at position p) when that position is scored; NO_TARGET elsewhere."""
     offset = 0
     for row in batch.rows:
         request = row.request
-        if row.is_prefill and request.sampling_params.prompt_logprobs is not None:
+        scored_start = request.sampling_params.scored_prompt_start
+        if row.is_prefill and scored_start is not None:
             positions = np.arange(row.start, row.start + row.num_tokens)
-            follows = positions + 1 < request.num_prompt_tokens
+            follows = (positions + 1 < request.num_prompt_tokens) & (positions + 1 >= scored_start)
             prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
             targets[offset : offset + row.num_tokens] = np.where(
                 follows, prompt[np.minimum(positions + 1, len(prompt) - 1)], NO_TARGET

@@ -72,7 +72,8 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample]
-    # Position 0 has none; position p + 1 is appended once the step computing position p is read.
+    # Position 0 and those before SamplingParams.prompt_logprobs_start have none; position p + 1 is
+    # appended once the step computing position p is read.
     prompt_logprobs: list[PositionLogprobs | None] | None
     stream: bool  # the caller wants every partial output, not only the final one
 
@@ -109,7 +110,8 @@ class OutputProcessor:
                 _Sample(r, IncrementalDetokenizer(self._tokenizer, prompt_token_ids, params.skip_special_tokens))
                 for r in samples
             ],
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            # Positions before the scored start are None (position 0 always is).
+            prompt_logprobs=[None] * params.scored_prompt_start if params.scored_prompt_start is not None else None,
             stream=stream,
         )
 
@@ -155,7 +157,8 @@ class OutputProcessor:
 
     def add_prompt_logprobs(self, batch: ScheduledBatch, logprobs: TokenLogprobs) -> None:
         """Records the prompt positions a step scored (flat token t of a row at position p scores prompt
-        position p + 1), each position once: a recomputed prompt (preemption) is skipped."""
+        position p + 1), each position once, from the scored start on: a recomputed prompt (preemption)
+        and positions before the start are skipped."""
         offsets = np.cumsum([0] + [row.num_tokens for row in batch.rows[:-1]])
         for row, offset in zip(batch.rows, offsets.tolist(), strict=True):
             request = row.request

@@ -151,6 +151,10 @@ class SamplingParams:
     logprobs: None or [0, 20]: logprobs of the sampled token and this many alternatives, as one
         {token_id: Logprob} dict per token (`CompletionOutput.logprobs`).
     prompt_logprobs: None or [0, 20], for the prompt tokens.
+    prompt_logprobs_start: the first prompt position scored (>= 0; with prompt_logprobs only, and below
+        the prompt's length): e.g. the length of a context whose continuation is scored. Positions before
+        it come back None, and the context's full KV blocks may come from the prefix cache, so only the
+        rest of the prompt is computed. 0 (the default) scores every position, as vLLM's prompt_logprobs.
     skip_special_tokens: drop special tokens when detokenizing.
     token_logprobs: also return the logprob of every sampled token as one float32 numpy array
         (`CompletionOutput.token_logprobs`), without building any dict: what RL needs, cheaply. Both
@@ -173,6 +177,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     token_logprobs: bool = False
 
@@ -205,7 +210,19 @@ class SamplingParams:
             "min_tokens": _check_int("min_tokens", self.min_tokens, 0, INT32_MAX if max_tokens is None else max_tokens),
             "logprobs": _check_optional_int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             "prompt_logprobs": _check_optional_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS),
+            "prompt_logprobs_start": self._checked_prompt_logprobs_start(),
         }
+
+    def _checked_prompt_logprobs_start(self) -> int:
+        start = _check_int("prompt_logprobs_start", self.prompt_logprobs_start, 0)
+        if start and self.prompt_logprobs is None:
+            raise ValueError(f"prompt_logprobs_start={start} needs prompt_logprobs (None scores no prompt position)")
+        return start
+
+    @property
+    def scored_prompt_start(self) -> int | None:
+        """The first prompt position scored (position 0 never is: nothing precedes it); None: none asked."""
+        return max(1, self.prompt_logprobs_start) if self.prompt_logprobs is not None else None
 
     @property
     def is_greedy(self) -> bool:

@@ -5,7 +5,10 @@ Each step (`schedule`):
    scheduler serves generation requests before context chunks);
 2. the next prompt chunk of running requests still in prefill (chunked prefill, FCFS);
 3. admission of waiting requests in FCFS order, counting prefix-cache hits, while the step has room
-   (max_batch_size sequences, max_num_tokens tokens) and the capacity policy allows it.
+   (max_batch_size sequences, max_num_tokens tokens) and the capacity policy allows it. A request
+   whose next uncached prefix block a running request is computing waits (the requests behind it
+   go on) until that block is cached, so prompts that share a prefix queued together (the choices of
+   a multiple-choice question, a shared system prompt) compute it once, as a fork's samples do.
 The batch lists prefill chunks first, then decode rows (TensorRT-LLM's order, DESIGN "Flat token batch").
 
 Capacity policies (`config.CapacityPolicy`), after PyCapacityScheduler:
@@ -294,6 +297,7 @@ class Scheduler:
         if cfg.scheduler.capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT:
             plan.reserved_blocks = self._reserved_blocks()
         index = 0
+        computing: set[bytes] | None = None  # prompt blocks running requests compute, hashed when first needed
         while index < len(self.waiting):
             if len(plan.rows) >= cfg.max_batch_size or len(self.running) >= cfg.max_batch_size or plan.budget < 1:
                 return
@@ -305,9 +309,19 @@ class Scheduler:
                     index += 1  # waits until sample 0 has computed the prompt it will share
                     continue
                 fork_parent = parent
+            elif self.block_manager.enable_prefix_caching:
+                next_hash = self.block_manager.probe(request).next_block_hash
+                if next_hash is not None:
+                    if computing is None:
+                        computing = {h for r in self.running for h in self.block_manager.uncached_prompt_hashes(r)}
+                    if next_hash in computing:
+                        index += 1  # waits until a running request has computed the prefix block it will reuse
+                        continue
             if not self._try_admit(request, fork_parent, plan):
                 return  # FCFS: head-of-line blocking, as TensorRT-LLM's capacity scheduler
             del self.waiting[index]
+            if computing is not None:
+                computing.update(self.block_manager.uncached_prompt_hashes(request))
 
     def _try_admit(self, request: Request, fork_parent: Request | None, plan: _StepPlan) -> bool:
         """Admits `request` with its first chunk if the capacity policy allows; False changes nothing."""

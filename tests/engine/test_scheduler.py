@@ -508,3 +508,21 @@ def test_random_workloads_finish_without_leaks(
     event(f"prefix hit: {manager.stats.hit_tokens > 0}")
     event(f"all rejected: {all(r.finish_reason is FinishReason.ERROR for r in requests)}")
     event(f"forked: {any(r.parent is not None and r.num_cached_tokens > 0 for r in requests)}")
+
+
+def test_a_prompt_sharing_a_prefix_being_computed_waits_for_it_and_then_reuses_it():
+    scheduler = make_scheduler(block_size=4, max_num_tokens=32)
+    context = [3, 4, 5, 6, 7, 8, 9, 10, 3]  # two full blocks and one token
+    [first] = add(scheduler, "a", context + [1, 2], max_tokens=1)
+    [second] = add(scheduler, "b", context + [2, 1, 5], max_tokens=1)
+    [other] = add(scheduler, "c", [5, 5, 5, 5, 5], max_tokens=1)
+
+    batch = scheduler.schedule()  # the request behind the waiting one is admitted
+    assert [row.request for row in batch.rows] == [first, other]
+    scheduler.update(batch, np.ones(len(batch.rows), np.int32))
+    batch = step(scheduler)
+
+    [row] = [row for row in batch.rows if row.request is second]
+    assert row.start == 8 and second.num_cached_tokens == 8
+    run_to_completion(scheduler)
+    assert scheduler.block_manager.stats.hit_tokens == 8
