@@ -13,10 +13,10 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ("quickstart.ipynb", "train_to_serve.ipynb")
-# Each takes under two minutes on a 2-core CPU, kernel start, model load and compiling included (train_to_serve
-# under one, quickstart under two with nothing in the compiled-step store): the budget catches a notebook that grew
-# heavy, not noise.
+NOTEBOOKS = ("batch_eval.ipynb", "quickstart.ipynb", "train_to_serve.ipynb")
+# Each takes under two minutes on a 2-core CPU, kernel start, model load and compiling included (train_to_serve and
+# batch_eval under one, quickstart under two with nothing in the compiled-step store): the budget catches a notebook
+# that grew heavy, not noise.
 BUDGET_SECONDS = 300
 TEST_IMPORT = re.compile(r"^\s*(from|import)\s+(tests|conftest)\b", re.MULTILINE)
 
