@@ -307,7 +307,9 @@ def test_an_auto_engine_lowers_max_batch_size_to_what_the_pool_holds(
     monkeypatch.setattr(capacity, "device_memory", lambda device: (40 * GB, GB))
     monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: GB)
     model = tiny_model("llama")
-    buckets = CompileConfig(decode_batch_sizes=(1, 256, 1024), token_buckets=(1024,), penalty_variants=False)
+    buckets = CompileConfig(
+        decode_batch_sizes=(1, 256, 1024), token_buckets=(1024,), penalty_variants=False, lazy=False
+    )
     config = make_engine_config(
         model.hf_config,
         max_batch_size=1024,
