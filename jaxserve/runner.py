@@ -497,7 +497,7 @@ class Runner:
             when = "in the step table" if self.lazy else "compiled only at start"
             raise RuntimeError(
                 f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} decode_only={bucket.decode_only} "
-                f"kv_blocks={bucket.kv_blocks} variant={variant}: steps are {when} (forwards (T, B, decode_only, "
+                f"variant={variant} kv_blocks={bucket.kv_blocks}: steps are {when} (forwards (T, B, decode_only, "
                 f"kv_blocks, prompt_logprobs): {forwards}; samplers (rows, mode, penalties): {samplers})"
             )
         forward, sampler = executables
