@@ -50,8 +50,23 @@ def raise_memory_fraction_default(fraction: str = DEFAULT_MEM_FRACTION) -> bool:
         return False
     os.environ[MEM_FRACTION_ENV] = fraction
     _raised_by_engine = True
-    logger.info("set %s=%s so the KV cache can use most of the GPU", MEM_FRACTION_ENV, fraction)
+    if gpu_backend_possible():
+        logger.info("set %s=%s so the KV cache can use most of the GPU", MEM_FRACTION_ENV, fraction)
+    else:
+        logger.info("set %s=%s (read by jax's GPU allocator only: no effect on CPU)", MEM_FRACTION_ENV, fraction)
     return True
+
+
+def gpu_backend_possible() -> bool:
+    """Whether jax may start a GPU backend in this process, known without starting one: JAX_PLATFORMS
+    allows it and a CUDA or ROCm plugin is installed."""
+    import importlib.util
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(name in platforms for name in ("cuda", "gpu", "rocm")):
+        return False
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+    return any(importlib.util.find_spec(name) is not None for name in plugins)
 
 
 def _backends_initialized() -> bool:

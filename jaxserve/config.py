@@ -141,6 +141,17 @@ class CompileConfig:
         the same model, table, devices and jaxserve/jax versions loads them instead of tracing and
         compiling them (`jaxserve.executables`; at most 8 GiB, least recently used removed first). It
         stands in for jax's persistent compilation cache, which is turned on only when this is False.
+    lazy: compile each step shape (and sampler, penalty and prompt-logprobs variants included) when a step
+        first needs it, with a log line, instead of every one at start. None means True on CPU, where
+        nobody needs the serving guarantee and start-up time is what a user waits for, and False on an
+        accelerator, where every step is compiled ahead of time and a step never waits for a compile.
+        The table of allowed shapes and variants is the same either way: a step outside it is refused.
+    kv_len_buckets: the attention widths (in tokens) a step is also compiled for, so that its attention
+        reads the blocks up to the batch's longest sequence rather than max_seq_len's: a step runs at the
+        smallest width that holds its longest sequence (rounded up to whole blocks; max_seq_len is always
+        a width). None means powers of two from 256 below max_seq_len on the xla backend, whose attention
+        costs what it reads, and none on the Pallas backend, whose kernels already stop at each
+        sequence's length. Stored sorted and deduplicated.
     """
 
     decode_batch_sizes: tuple[int, ...] | None = None
@@ -151,11 +162,16 @@ class CompileConfig:
     prompt_logprobs: bool = False
     compile_threads: int | None = None
     store_executables: bool = True
+    lazy: bool | None = None
+    kv_len_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalising a field needs object.__setattr__.
         object.__setattr__(self, "decode_batch_sizes", _normalize_sizes("decode_batch_sizes", self.decode_batch_sizes))
         object.__setattr__(self, "token_buckets", _normalize_sizes("token_buckets", self.token_buckets))
+        object.__setattr__(self, "kv_len_buckets", _normalize_sizes("kv_len_buckets", self.kv_len_buckets))
+        if self.lazy is not None and not isinstance(self.lazy, bool):
+            raise ValueError(f"lazy must be None or a bool, got {self.lazy!r}")
         if not isinstance(self.enable_padding, bool):
             raise ValueError(f"enable_padding must be a bool, got {self.enable_padding!r}")
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

@@ -51,6 +51,7 @@ from jaxserve.runner import (
     default_executable_store_dir,
     enable_compilation_cache,
     resolve_backend,
+    resolve_lazy,
 )
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
@@ -104,10 +105,10 @@ class Engine:
         show_progress: bool = True,
     ) -> None:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, cfg.vocab_size
-        self.steps = StepConfig.from_config(config, cfg.vocab_size)
+        backend = resolve_backend(config.attention_backend)
+        self.steps = StepConfig.from_config(config, cfg.vocab_size, backend)
         if not config.compile.store_executables:  # the step store stands in for jax's cache
             enable_compilation_cache(config.compile.cache_dir)
-        backend = resolve_backend(config.attention_backend)
         dtype = model_dtype(config.dtype, weights)
         threads = config.compile.compile_threads or default_compile_threads()
         spec = RunnerSpec(
@@ -118,9 +119,10 @@ class Engine:
         self.kv_budget = capacity.kv_budget(self.runner.profile(), config)
         if config.auto_max_batch_size:  # profiled at the upper bound: conservative for any smaller size
             self.config = config = _with_max_batch_size(config, self.kv_budget, cfg.vocab_size)
-            self.steps = StepConfig.from_config(config, cfg.vocab_size)
+            self.steps = StepConfig.from_config(config, cfg.vocab_size, backend)
             self.runner.set_steps(self.steps)
-        self.warmup_seconds = self.runner.start(self.kv_budget.num_blocks, show_progress=show_progress)
+        lazy = resolve_lazy(config.compile.lazy)
+        self.warmup_seconds = self.runner.start(self.kv_budget.num_blocks, show_progress=show_progress, lazy=lazy)
         kv = config.kv_cache
         self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -133,8 +135,15 @@ class Engine:
         self._ids = itertools.count()
         self.asleep = False  # sleep() .. wake_up()
         self.closed = False
-        shapes = [(b.num_tokens, b.num_seqs) for b in self.buckets.buckets]
-        logger.info("engine ready: backend=%s, dtype=%s, buckets=%s", backend, np.dtype(dtype).name, shapes)
+        shapes = list(dict.fromkeys((b.num_tokens, b.num_seqs) for b in self.buckets.buckets))
+        widths = [w * kv.block_size for w in self.buckets.kv_block_buckets]
+        logger.info(
+            "engine ready: backend=%s, dtype=%s, buckets=%s, attention widths below max_seq_len=%s",
+            backend,
+            np.dtype(dtype).name,
+            shapes,
+            widths,
+        )
 
     @property
     def buckets(self) -> BucketTable:

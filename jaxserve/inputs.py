@@ -16,7 +16,11 @@ Bucket rules (they stand in for TensorRT-LLM's CUDA graph batch sizes):
 - mixed / prefill steps use T from the token buckets (powers of two from 16 up to max_num_tokens, plus
   max_num_tokens) with B = max_batch_size;
 - a step is padded to the smallest bucket that holds it (bisect). Without padding a decode step whose
-  size is not in the table runs in a mixed bucket. A step that fits no bucket is a bug: ValueError.
+  size is not in the table runs in a mixed bucket. A step that fits no bucket is a bug: ValueError;
+- each shape is also compiled for narrower block tables (`kv_block_buckets`, from
+  CompileConfig.kv_len_buckets): a step's table is as wide as the smallest of them that holds its
+  longest sequence, so attention that reads the whole table (the xla backend) costs what the batch
+  holds, not max_seq_len. The width is chosen on the host: no compiled step has a data-dependent shape.
 
 Padding tokens have token 0, position 0 and write their K/V to block 0 (reserved); padding rows own
 no tokens (their cu_q_lens entries repeat the real token count) and have kv_len 0.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -43,6 +47,8 @@ from jaxserve.scheduler import ScheduledBatch, ScheduledRow
 # Smallest default token bucket: a shorter mixed step costs the same padded to 16, and every bucket
 # costs a compilation at warmup.
 MIN_TOKEN_BUCKET = 16
+# Smallest default attention width on the xla backend: below it attention is a small part of a step.
+MIN_KV_LEN_BUCKET = 256
 
 
 def generate_decode_batch_sizes(max_batch_size: int, enable_padding: bool) -> list[int]:
@@ -95,14 +101,30 @@ def default_token_buckets(max_num_tokens: int) -> list[int]:
     return buckets + [max_num_tokens]
 
 
+def kv_block_buckets(
+    kv_len_buckets: tuple[int, ...] | None, attention_backend: str, max_seq_len: int, block_size: int
+) -> tuple[int, ...]:
+    """The narrower block-table widths (in blocks, each below the full width) of CompileConfig.kv_len_buckets;
+    when it is None, powers of two tokens from MIN_KV_LEN_BUCKET on the xla backend and none otherwise."""
+    if kv_len_buckets is None:
+        if attention_backend != "xla":
+            return ()
+        kv_len_buckets = tuple(MIN_KV_LEN_BUCKET << i for i in range(max_seq_len.bit_length()))
+    full = -(-max_seq_len // block_size)
+    widths = {-(-n // block_size) for n in kv_len_buckets}
+    return tuple(sorted(w for w in widths if w < full))
+
+
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """One compiled step shape: T flat tokens, B sequence rows; decode_only buckets (T == B, one token per
-    sequence) tell the attention so, which saves it a launch."""
+    sequence) tell the attention so, which saves it a launch. kv_blocks: the width of its block table
+    when narrower than the full one (None: max_blocks_per_seq), which bounds every sequence's kv_len."""
 
     num_tokens: int
     num_seqs: int
     decode_only: bool = False
+    kv_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +132,8 @@ class BucketTable:
     """Every step shape the runner compiles at warmup, and the lookup that pads a step into one.
 
     The block table width (max_blocks_per_seq) and block_size belong here because they fix the
-    shape of block_table and the slot mapping of every bucket.
+    shape of block_table and the slot mapping of every bucket; kv_block_buckets are the narrower widths
+    every shape is also compiled for (sorted, each below max_blocks_per_seq; `kv_block_buckets()`).
     """
 
     decode_batch_sizes: tuple[int, ...]
@@ -119,6 +142,7 @@ class BucketTable:
     enable_padding: bool
     block_size: int
     max_blocks_per_seq: int
+    kv_block_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_buckets or list(self.token_buckets) != sorted(set(self.token_buckets)):
@@ -127,9 +151,16 @@ class BucketTable:
             raise ValueError(f"decode_batch_sizes must be sorted and unique, got {self.decode_batch_sizes}")
         if self.decode_batch_sizes and self.decode_batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"decode_batch_sizes exceed max_batch_size={self.max_batch_size}")
+        widths = self.kv_block_buckets
+        if list(widths) != sorted(set(widths)) or any(not 0 < w < self.max_blocks_per_seq for w in widths):
+            raise ValueError(
+                f"kv_block_buckets must be sorted, unique and in [1, {self.max_blocks_per_seq}), got {widths}"
+            )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> BucketTable:
+    def from_config(cls, config: EngineConfig, attention_backend: str | None = None) -> BucketTable:
+        """The table of an engine; attention_backend is the resolved one ("pallas" or "xla": None takes
+        config.attention_backend, whose "auto" compiles the full block table width only)."""
         compile_config: CompileConfig = config.compile
         padding = compile_config.enable_padding
         decode = compile_config.decode_batch_sizes
@@ -147,17 +178,38 @@ class BucketTable:
             enable_padding=padding,
             block_size=config.kv_cache.block_size,
             max_blocks_per_seq=config.max_blocks_per_seq,
+            kv_block_buckets=kv_block_buckets(
+                compile_config.kv_len_buckets,
+                attention_backend or config.attention_backend,
+                config.max_seq_len,
+                config.kv_cache.block_size,
+            ),
         )
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
-        """All shapes to compile at warmup (decode buckets first), without duplicates."""
+        """All shapes to compile (decode buckets first; each at every width, the full one last), without
+        duplicates."""
         shapes = [Bucket(size, size, decode_only=True) for size in self.decode_batch_sizes]
         shapes += [Bucket(t, self.max_batch_size) for t in self.token_buckets]
-        return tuple(dict.fromkeys(shapes))
+        widths = (*self.kv_block_buckets, None)
+        return tuple(dict.fromkeys(replace(shape, kv_blocks=w) for shape in shapes for w in widths))
 
-    def lookup(self, num_tokens: int, num_seqs: int, decode_only: bool) -> Bucket:
-        """The smallest bucket that holds a step of num_tokens tokens over num_seqs sequences."""
+    def table_width(self, bucket: Bucket) -> int:
+        """The number of block-table columns of a bucket's steps."""
+        return self.max_blocks_per_seq if bucket.kv_blocks is None else bucket.kv_blocks
+
+    def lookup(self, num_tokens: int, num_seqs: int, decode_only: bool, max_kv_len: int = 0) -> Bucket:
+        """The smallest bucket that holds a step of num_tokens tokens over num_seqs sequences, the longest
+        of which holds max_kv_len tokens after the step (0: the full block table width)."""
+        shape = self._shape(num_tokens, num_seqs, decode_only)
+        needed = -(-max_kv_len // self.block_size)
+        i = bisect.bisect_left(self.kv_block_buckets, needed)
+        if max_kv_len <= 0 or i == len(self.kv_block_buckets):
+            return shape
+        return replace(shape, kv_blocks=self.kv_block_buckets[i])
+
+    def _shape(self, num_tokens: int, num_seqs: int, decode_only: bool) -> Bucket:
         if (
             num_seqs < 1
             or num_seqs > self.max_batch_size
@@ -241,10 +293,10 @@ class StepConfig:
     prompt_logprob_variants: bool = False
 
     @classmethod
-    def from_config(cls, config: EngineConfig, vocab_size: int) -> StepConfig:
+    def from_config(cls, config: EngineConfig, vocab_size: int, attention_backend: str | None = None) -> StepConfig:
         compile_config = config.compile
         return cls(
-            buckets=BucketTable.from_config(config),
+            buckets=BucketTable.from_config(config, attention_backend),
             vocab_size=vocab_size,
             max_seq_len=config.max_seq_len,
             penalty_variants=compile_config.penalty_variants,
@@ -280,7 +332,8 @@ class StepConfig:
         """The step with the largest activations, which the capacity probe runs: the most tokens, then
         rows, a token bucket over a decode one; prompt logprobs and penalties when compiled, the sorting
         sampler."""
-        bucket = max(self.buckets.buckets, key=lambda b: (b.num_tokens, b.num_seqs, not b.decode_only))
+        table = self.buckets
+        bucket = max(table.buckets, key=lambda b: (b.num_tokens, b.num_seqs, not b.decode_only, table.table_width(b)))
         scoring = self.prompt_logprob_variants and not bucket.decode_only
         return bucket, StepVariant(SamplerMode.SORTED, self.penalty_variants, scoring)
 
@@ -428,7 +481,7 @@ def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> 
     Padding tokens have token 0, position 0 and write their K/V to block 0 (reserved); padding rows
     own no tokens and have kv_len 0.
     """
-    T, B, M = bucket.num_tokens, bucket.num_seqs, config.buckets.max_blocks_per_seq
+    T, B, M = bucket.num_tokens, bucket.num_seqs, config.buckets.table_width(bucket)
 
     def ints(shape: int | tuple[int, ...], value: int = 0) -> np.ndarray:
         return np.full(shape, value, dtype=np.int32)
@@ -464,7 +517,8 @@ def make_step_inputs(
         raise ValueError("cannot build step inputs for an empty batch")
     n = len(rows)
     q_lens = np.fromiter((row.num_tokens for row in rows), dtype=np.int32, count=n)
-    bucket = config.buckets.lookup(int(q_lens.sum()), n, batch.is_decode_only)
+    max_kv_len = max(row.start + row.num_tokens for row in rows)
+    bucket = config.buckets.lookup(int(q_lens.sum()), n, batch.is_decode_only, max_kv_len)
     variant = config.choose_variant(batch)
     inputs = padding_inputs(bucket, variant, config)
     _fill_flat_batch(inputs, batch, q_lens, config.buckets)
@@ -514,13 +568,14 @@ def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndar
     n = len(rows)
     needed = -(-kv_lens[:n] // buckets.block_size)
     held = np.fromiter((len(row.block_ids) for row in rows), dtype=np.int64, count=n)
-    short = np.flatnonzero((needed > buckets.max_blocks_per_seq) | (needed > held))
+    width = table.shape[1]
+    short = np.flatnonzero((needed > width) | (needed > held))
     if short.size:
         i = int(short[0])
         request = rows[i].request
         raise ValueError(
             f"request {request.request_id}[{request.index}] needs {needed[i]} blocks for "
-            f"{kv_lens[i]} tokens; it holds {held[i]}, a block table row {buckets.max_blocks_per_seq}"
+            f"{kv_lens[i]} tokens; it holds {held[i]}, a block table row {width}"
         )
     counts = needed.tolist()
     flat = np.fromiter(

@@ -21,7 +21,9 @@ host never waits inside a call. Under tensor parallelism the weights and the cac
 the mesh's model axis by the rules table (the Pallas kernels run per device under shard_map,
 models/attention.py). The executables are the JAX stand-in for captured CUDA graphs: shapes and
 variants are fixed at start, and a step that was not compiled then is refused with an error naming
-its shape and variant.
+its shape and variant. A lazily started runner (CompileConfig.lazy, the default on CPU) compiles
+nothing at start: each forward and sampler of the same table is compiled (or loaded from the step
+store) the first time a step needs it, with a log line; a step outside the table is still refused.
 """
 
 from __future__ import annotations
@@ -229,6 +231,8 @@ class Runner:
         self._reset_step_state(jax.random.PRNGKey(seed))
         self._forwards: dict[ForwardKey, jax.stages.Compiled] = {}
         self._samplers: dict[SamplerKey, jax.stages.Compiled] = {}
+        self.lazy = False  # set by `start`
+        self.lazy_compile_seconds = 0.0  # spent compiling steps on first use
 
     def update_weights(self, weights: Any) -> None:
         """New values for every weight (checkpoint layout, validated by the caller: same shapes), placed
@@ -356,15 +360,25 @@ class Runner:
 
     # ---- compilation ----------------------------------------------------------------------------
 
-    def start(self, num_blocks: int, show_progress: bool = True) -> float:
+    def start(self, num_blocks: int, show_progress: bool = True, lazy: bool = False) -> float:
         """Allocates the zeroed pool of num_blocks blocks and compiles every forward and sampler of the
-        StepConfig (`forwards`, `samplers`), spec.compile_threads at a time; returns the seconds taken."""
+        StepConfig (`forwards`, `samplers`), spec.compile_threads at a time; returns the seconds taken.
+        lazy: compile nothing now; `run` compiles each of them when a step first needs it."""
         from tqdm.auto import tqdm
 
         if self.kv_cache is not None:
             raise RuntimeError("the runner is started once")
         self.kv_cache, self.num_blocks = self._zero_cache(num_blocks), num_blocks
         steps = self.spec.steps
+        self.lazy = lazy
+        if lazy:
+            self._allowed = (frozenset(steps.forwards()), frozenset(steps.samplers()))
+            logger.info(
+                "lazy compilation: %d forwards and %d samplers allowed, each compiled when a step first needs it",
+                len(self._allowed[0]),
+                len(self._allowed[1]),
+            )
+            return 0.0
         jobs: list[tuple[str, Any, Any]] = [
             ("forward", key, partial(self.compile_forward, *key, num_blocks)) for key in steps.forwards()
         ]
@@ -475,19 +489,49 @@ class Runner:
     def run(self, inputs: StepInputs, bucket: Bucket, variant: StepVariant) -> StepOutput:
         """Dispatches the step's forward and sampler; returns their device outputs without waiting."""
         executables = self._executables(bucket, variant)
+        if executables is None and self.lazy:
+            executables = self._compile_on_first_use(bucket, variant)
         if executables is None:
-            forwards = [(b.num_tokens, b.num_seqs, b.decode_only, scoring) for b, scoring in self._forwards]
-            samplers = [(rows, mode.value, penalties) for rows, mode, penalties in self._samplers]
+            forwards = [(b.num_tokens, b.num_seqs, b.decode_only, b.kv_blocks, s) for b, s in self._allowed_forwards()]
+            samplers = [(rows, mode.value, penalties) for rows, mode, penalties in self._allowed_samplers()]
+            when = "in the step table" if self.lazy else "compiled only at start"
             raise RuntimeError(
                 f"no compiled step for T={bucket.num_tokens} B={bucket.num_seqs} decode_only={bucket.decode_only} "
-                f"variant={variant}: steps are compiled only at start (forwards (T, B, decode_only, "
-                f"prompt_logprobs): {forwards}; samplers (rows, mode, penalties): {samplers})"
+                f"variant={variant} kv_blocks={bucket.kv_blocks}: steps are {when} (forwards (T, B, decode_only, "
+                f"kv_blocks, prompt_logprobs): {forwards}; samplers (rows, mode, penalties): {samplers})"
             )
         forward, sampler = executables
         out, self.kv_cache = forward(self.weights, self.kv_cache, replace(inputs, history=None), self._previous)
         tokens, logprobs, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key)
         self._previous, self._key = tokens, key
         return StepOutput(tokens, logprobs, key, out.prompt_logprobs)
+
+    def _allowed_forwards(self) -> Any:
+        return sorted(self._allowed[0], key=repr) if self.lazy else list(self._forwards)
+
+    def _allowed_samplers(self) -> Any:
+        return sorted(self._allowed[1], key=repr) if self.lazy else list(self._samplers)
+
+    def _compile_on_first_use(
+        self, bucket: Bucket, variant: StepVariant
+    ) -> tuple[jax.stages.Compiled, jax.stages.Compiled] | None:
+        """The step's forward and sampler, compiling (or loading) whichever is missing, when the step table
+        has them; None when it does not (`run` refuses the step)."""
+        forward_key = (bucket, variant.prompt_logprobs)
+        sampler_key = (bucket.num_seqs, variant.sampler, variant.penalties)
+        if forward_key not in self._allowed[0] or sampler_key not in self._allowed[1]:
+            return None
+        start = time.perf_counter()
+        if forward_key not in self._forwards:
+            self._forwards[forward_key] = self.compile_forward(*forward_key, self.num_blocks)
+            logger.info("compiled on first use: forward %s", _describe("forward", forward_key))
+        if sampler_key not in self._samplers:
+            self._samplers[sampler_key] = self.compile_sampler(*sampler_key)
+            logger.info("compiled on first use: sampler %s", _describe("sampler", sampler_key))
+        seconds = time.perf_counter() - start
+        self.lazy_compile_seconds += seconds
+        logger.info("first use of T=%d B=%d %s: %.2fs to compile", bucket.num_tokens, bucket.num_seqs, variant, seconds)
+        return self._executables(bucket, variant)
 
     def _reset_step_state(self, key: Array) -> None:
         """The device state one step hands the next: its sampled tokens (zeros: none) and the PRNG key."""
@@ -518,7 +562,8 @@ def _describe(kind: str, key: Any) -> str:
     if kind == "forward":
         bucket, scoring = key
         decode = " (decode)" if bucket.decode_only else ""
-        return f"T={bucket.num_tokens} B={bucket.num_seqs}{decode}{' +prompt_logprobs' if scoring else ''}"
+        width = "" if bucket.kv_blocks is None else f" kv_blocks={bucket.kv_blocks}"
+        return f"T={bucket.num_tokens} B={bucket.num_seqs}{decode}{width}{' +prompt_logprobs' if scoring else ''}"
     rows, mode, penalties = key
     return f"B={rows} {mode.value}{' +penalties' if penalties else ''}"
 
@@ -543,6 +588,15 @@ def resolve_backend(backend: str) -> str:
     if backend == "pallas" and platform != "gpu":
         raise ValueError(f"attention_backend='pallas' needs a GPU (jax runs on {platform}); use 'xla' or 'auto'")
     return backend
+
+
+def resolve_lazy(lazy: bool | None) -> bool:
+    """CompileConfig.lazy: None -> True on CPU (compile each step on first use), False on an accelerator."""
+    if lazy is not None:
+        return lazy
+    resolved = jax.default_backend() == "cpu"
+    logger.info("lazy compilation %s (%s)", "on" if resolved else "off", jax.default_backend())
+    return resolved
 
 
 def default_executable_store_dir(cache_dir: str | None) -> str:

@@ -147,9 +147,7 @@ class Tokenizer:
             hf_tokenizer, eos_ids = gguf_tokenizer(path)
             return cls(hf_tokenizer, eos_ids)
         if path.is_dir():
-            from transformers import AutoTokenizer
-
-            return cls(AutoTokenizer.from_pretrained(path), _directory_eos_ids(path))
+            return cls(_directory_tokenizer(path), _directory_eos_ids(path))
         raise FileNotFoundError(f"tokenizer source not found: {path} (expected a model directory or a .gguf file)")
 
     @property
@@ -198,6 +196,26 @@ class Tokenizer:
         except TemplateError as error:
             raise ValueError(f"the chat template cannot render this conversation: {error}") from error
         return list(ids)
+
+
+# tokenizer_config.json classes that are a tokenizer.json and nothing more (transformers 4's name and 5's).
+_PLAIN_FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _directory_tokenizer(directory: Path) -> Any:
+    """AutoTokenizer's tokenizer for a directory; a plain fast tokenizer (what a converted GGUF holds) is
+    built directly, which skips the seconds AutoTokenizer spends importing its class table on first use."""
+    config_path = directory / "tokenizer_config.json"
+    if (directory / "tokenizer.json").is_file() and config_path.is_file():
+        with open(config_path) as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+        if tokenizer_class in _PLAIN_FAST_TOKENIZERS:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def _directory_eos_ids(directory: Path) -> list[int]:

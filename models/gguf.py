@@ -303,6 +303,11 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> di
     return {"rope_type": "llama3", "factor": round(factor, 6), **_LLAMA3_ROPE}
 
 
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether the GGUF file carries a tokenizer (a token list)."""
+    return "tokenizer.ggml.tokens" in gguf_reader(path).fields
+
+
 def gguf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
     """(transformers fast tokenizer, end-of-generation token ids) built from a GGUF file's metadata, without torch."""
     from transformers import PreTrainedTokenizerFast

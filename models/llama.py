@@ -331,8 +331,11 @@ def to_serving(
     )
     source = None if shardings is None else layer_shardings(param_specs(cfg).layers, shardings.layers[0].wqkv.mesh)
     layers = []
+    on_device = all(isinstance(w, jax.Array) for w in jax.tree.leaves(weights.layers))
     for i in range(cfg.num_layers):
-        layer = jax.tree.map(lambda w, i=i: w[i], weights.layers)
+        # Device arrays: one compiled slice of every weight per layer (slicing them one op at a time
+        # dispatches and compiles each op: a second at start on CPU); host arrays: numpy views.
+        layer = _take_layer(weights.layers, i) if on_device else jax.tree.map(lambda w, i=i: w[i], weights.layers)
         layers.append(fuse(layer if source is None else jax.device_put(layer, source)))
         if replacing is not None:
             delete_arrays(replacing.layers[i])
@@ -345,6 +348,12 @@ def to_serving(
         return placed
 
     return ServingWeights(top("embed"), tuple(layers), top("final_norm"), top("lm_head"))
+
+
+@jax.jit
+def _take_layer(layers: LayerWeights, i: Int[Array, ""]) -> LayerWeights:
+    """Layer i of stacked [L, ...] weights (i traced: one executable serves every layer)."""
+    return jax.tree.map(lambda w: w[i], layers)
 
 
 @functools.lru_cache(maxsize=64)

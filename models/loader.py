@@ -74,11 +74,16 @@ def numpy_dtype(dtype: str) -> Any:
 def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedModel:
     """Loads a local Hugging Face directory, a .gguf file, an orbax directory, the default model or a hub id."""
     from models import gguf
-    from models.hub import resolve_model_source
+    from models.convert import cached_conversion
+    from models.hub import DEFAULT_MODEL, ResolvedSource, resolve_model_source
 
     np_dtype = numpy_dtype(dtype)
     resolved = resolve_model_source(source)
     path = resolved.path
+    if resolved.kind == "gguf" and os.fspath(source) == DEFAULT_MODEL:
+        # Converted once into a Hugging Face directory in the cache (models/convert.py), loaded from there.
+        path = cached_conversion(path)
+        resolved = ResolvedSource("hf_dir", path)
     if resolved.kind == "gguf":
         checkpoint = gguf.open_gguf(path)
         family, cfg = _resolve_family(checkpoint.hf_config, path, "the config from its metadata: ")

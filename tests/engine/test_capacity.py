@@ -230,6 +230,8 @@ def test_memory_fraction_is_raised_when_unset_before_jax_starts():
     fraction = capacity.DEFAULT_MEM_FRACTION
     assert first == [True, fraction] and second == [False, fraction]
     assert log.count(f"set {capacity.MEM_FRACTION_ENV}={fraction}") == 1
+    # run_fresh runs on CPU (JAX_PLATFORMS=cpu): the log does not promise the GPU to the KV cache.
+    assert "no effect on CPU" in log and "most of the GPU" not in log
 
 
 def test_engine_sizes_its_pool_from_device_memory_and_a_probe_step(monkeypatch, caplog, tiny_model, make_llm):
@@ -307,7 +309,9 @@ def test_an_auto_engine_lowers_max_batch_size_to_what_the_pool_holds(
     monkeypatch.setattr(capacity, "device_memory", lambda device: (40 * GB, GB))
     monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: GB)
     model = tiny_model("llama")
-    buckets = CompileConfig(decode_batch_sizes=(1, 256, 1024), token_buckets=(1024,), penalty_variants=False)
+    buckets = CompileConfig(
+        decode_batch_sizes=(1, 256, 1024), token_buckets=(1024,), penalty_variants=False, lazy=False
+    )
     config = make_engine_config(
         model.hf_config,
         max_batch_size=1024,

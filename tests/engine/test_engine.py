@@ -46,8 +46,9 @@ def mixed_prompts(seed: int, count: int = 16) -> list[list[int]]:
 
 # Each bucket costs about two seconds of warmup: the Llama engines get two decode and two mixed buckets,
 # MAX_UTILIZATION also the penalty variants (the compile test runs every variant), Qwen3 one of each.
+# The engine the compile test warms compiles ahead of time (lazy=False; CPU engines are lazy by default).
 BUCKETS = {
-    ("llama", "max_utilization"): CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32)),
+    ("llama", "max_utilization"): CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), lazy=False),
     ("llama", "no_evict"): CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False),
     ("qwen3", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
     ("qwen3", "no_evict"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
@@ -296,7 +297,7 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_reference", recording)
-    config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False)
+    config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False, lazy=False)
     make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
     # Each compiled forward traces the attention once per layer. (4, 4) is both a decode bucket and a
     # token bucket: compiled once as each.
@@ -305,7 +306,9 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
 
 # ---- the compiled table -------------------------------------------------------------------------
 
-EVERY_VARIANT = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=True, prompt_logprobs=True)
+EVERY_VARIANT = CompileConfig(
+    decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=True, prompt_logprobs=True, lazy=False
+)
 
 
 def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(

@@ -108,7 +108,7 @@ def test_the_store_keeps_under_its_size_removing_the_oldest(tmp_path):
 def test_an_engine_built_again_loads_every_step_and_generates_the_same_tokens(tmp_path, tiny_model, make_llm):
     model = tiny_model("llama")
     config = CompileConfig(
-        decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False, cache_dir=str(tmp_path)
+        decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False, cache_dir=str(tmp_path), lazy=False
     )
     prompts = [[3, 5, 7, 9], [11, 13, 17, 19, 23, 29]]
     params = SamplingParams(max_tokens=6, temperature=0.0)
@@ -155,7 +155,8 @@ def test_running_every_step_once_leaves_the_pool_and_the_tokens_alone(tiny_model
     """What the warmup does on a GPU (each executable's first run loads its kernels), run on CPU: every
     forward and sampler once on padding, which writes only the reserved block."""
     model = tiny_model("llama")
-    llm = make_llm(model, compile_config=CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32)))
+    config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), lazy=False)
+    llm = make_llm(model, compile_config=config)
     prompts = [[3, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59], [2, 4, 6]]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

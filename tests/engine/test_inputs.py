@@ -21,6 +21,7 @@ from jaxserve.inputs import (
     default_token_buckets,
     filter_decode_batch_sizes,
     generate_decode_batch_sizes,
+    kv_block_buckets,
     make_step_inputs,
     padding_inputs,
 )
@@ -100,6 +101,43 @@ def test_lookup_pads_to_the_smallest_bucket():
 def test_a_step_outside_the_table_is_an_error_naming_its_shape(num_tokens, num_seqs):
     with pytest.raises(ValueError, match=f"{num_tokens} tokens over {num_seqs} sequences"):
         table().lookup(num_tokens, num_seqs, decode_only=False)
+
+
+def test_attention_widths_default_to_powers_of_two_on_the_xla_backend_only():
+    assert kv_block_buckets(None, "xla", 8192, 16) == (16, 32, 64, 128, 256)  # 256 .. 4096 tokens
+    assert kv_block_buckets(None, "xla", 512, 16) == (16,)
+    assert kv_block_buckets(None, "xla", 256, 16) == ()  # max_seq_len is always the last width
+    assert kv_block_buckets(None, "pallas", 8192, 16) == ()  # the kernels stop at each kv_len already
+    # Given widths are rounded up to whole blocks; those that reach max_seq_len are the full width.
+    assert kv_block_buckets((5, 8, 9, 32, 40), "pallas", 32, 4) == (2, 3)
+
+
+def test_every_shape_is_compiled_at_every_width_and_a_step_takes_the_narrowest_that_holds_it():
+    buckets = table(max_batch_size=2, max_num_tokens=8, max_seq_len=32, kv_len_buckets=(8, 12))
+    assert (buckets.max_blocks_per_seq, buckets.kv_block_buckets) == (8, (2, 3))
+    shapes = [Bucket(1, 1, True), Bucket(2, 2, True), Bucket(8, 2)]
+    assert buckets.buckets == tuple(dataclasses.replace(b, kv_blocks=w) for b in shapes for w in (2, 3, None))
+    assert buckets.lookup(2, 2, decode_only=True, max_kv_len=8) == Bucket(2, 2, True, kv_blocks=2)
+    assert buckets.lookup(2, 2, decode_only=True, max_kv_len=9) == Bucket(2, 2, True, kv_blocks=3)
+    assert buckets.lookup(5, 2, decode_only=False, max_kv_len=13) == Bucket(8, 2)  # the full width
+    assert buckets.lookup(5, 2, decode_only=False) == Bucket(8, 2)
+    assert buckets.table_width(Bucket(8, 2)) == 8 and buckets.table_width(Bucket(8, 2, kv_blocks=3)) == 3
+    config = StepConfig(buckets, vocab_size=VOCAB, max_seq_len=32)
+    assert config.largest_step()[0] == Bucket(8, 2)  # the widest table of the largest shape
+    with pytest.raises(ValueError, match="kv_block_buckets must be sorted"):
+        dataclasses.replace(buckets, kv_block_buckets=(3, 8))
+
+
+def test_a_narrow_step_holds_the_same_block_table_columns_as_a_full_one():
+    batch, previous = mixed_batch()  # kv_lens 9, 3, 7, 3: 3 blocks of 4 at most
+    narrow = StepConfig(table(kv_len_buckets=(8, 12, 16)), vocab_size=VOCAB, max_seq_len=32)
+    inputs, bucket, _ = make_step_inputs(batch, previous, narrow)
+    full, full_bucket, _ = make_step_inputs(batch, previous, steps())
+    assert bucket == dataclasses.replace(full_bucket, kv_blocks=3) and inputs.block_table.shape == (4, 3)
+    np.testing.assert_array_equal(inputs.block_table, full.block_table[:, :3])
+    assert not full.block_table[:, 3:].any()  # nothing is lost: the columns past the width are block 0
+    for name in ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "logits_indices"):
+        np.testing.assert_array_equal(getattr(inputs, name), getattr(full, name), err_msg=name)
 
 
 # ---- step inputs --------------------------------------------------------------------------------

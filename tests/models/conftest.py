@@ -6,8 +6,8 @@ Exposed as fixtures that return functions, so any test file under tests/models c
     (norm weights and biases included, so a misplaced norm or bias changes the output);
   - `weights_from_state_dict(family_module, cfg, state_dict) -> weights`: applies the family's
     `checkpoint_rules` strictly (an unknown, duplicate or missing tensor fails the test);
-  - `write_gguf(path, arch, hf_config, tensors, qtype=None) -> path`: a GGUF file written with gguf's
-    GGUFWriter the way llama.cpp's converter writes one.
+  - `write_gguf(path, arch, hf_config, tensors, qtype=None, *, token_scores=False) -> path`: a GGUF file
+    written with gguf's GGUFWriter the way llama.cpp's converter writes one.
 """
 
 from __future__ import annotations
@@ -169,8 +169,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def make_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None) -> Path:
-    """A GGUF file of Hugging Face-named tensors as llama.cpp's converter writes it (q/k rows permuted for llama)."""
+def make_gguf(
+    path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None, *, token_scores: bool = False
+) -> Path:
+    """A GGUF file of Hugging Face-named tensors as llama.cpp's converter writes it (q/k rows permuted for llama).
+    token_scores: also write a score per token, from which transformers can build the tokenizer."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -182,6 +185,8 @@ def make_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([chr(0x100 + i) for i in range(config["vocab_size"])])
+    if token_scores:
+        writer.add_token_scores([0.0] * config["vocab_size"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, array in tensors.items():
         array = array.astype(np.float32)

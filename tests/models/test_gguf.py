@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 
 from models import hub
 from models.attention import DenseAttentionMetadata, init_dense_cache
+from models.convert import cached_conversion
 from models.gguf import hf_config_from_metadata, hf_tensor_name, llama3_divisors, open_gguf
 from models.loader import LoadedModel, load_model
 
@@ -177,8 +178,9 @@ def test_default_model_greedy_matches_transformers(default_gguf):
     from jaxserve.dense import generate_dense
     from jaxserve.tokenizer import Tokenizer
 
-    loaded = load_model(hub.DEFAULT_MODEL, dtype="float32")
-    assert loaded.weights.embed.dtype == jnp.float32 and loaded.tokenizer_source == str(default_gguf)
+    loaded = load_model(hub.DEFAULT_MODEL, dtype="float32")  # from its conversion in the cache (models/convert.py)
+    assert loaded.weights.embed.dtype == jnp.float32
+    assert loaded.tokenizer_source == str(cached_conversion(default_gguf))
     tokenizer = Tokenizer.from_source(loaded.tokenizer_source)
     prompt = tokenizer.encode("The capital of France is")
     ours = generate_dense(loaded.family, loaded.config, loaded.weights, [prompt], 16)[0]
