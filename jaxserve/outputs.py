@@ -13,6 +13,8 @@ Host policy: no jax here.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -88,6 +90,10 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._groups: dict[str, _Group] = {}
+        # A logprob entry's text: the token decoded alone, special tokens kept (as vLLM's decoded_token).
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: tokenizer.decode([token], skip_special_tokens=False)
+        )
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups
@@ -136,7 +142,7 @@ class OutputProcessor:
             return None
         token, params = request.token_ids[-1], request.sampling_params
         if logprobs is not None and params.logprobs is not None:
-            sample.logprobs.append(position_logprobs(logprobs, row, token, params.logprobs))
+            sample.logprobs.append(position_logprobs(logprobs, row, token, params.logprobs, self._token_text))
         if sampled_logprobs is not None and params.token_logprobs:
             sample.token_logprobs.append(float(sampled_logprobs[row]))
         detokenizer = sample.detokenizer
@@ -170,7 +176,7 @@ class OutputProcessor:
             for i in range(row.num_tokens):
                 position = row.start + i + 1
                 if position < len(prompt) and position == len(entries):
-                    entries.append(position_logprobs(logprobs, offset + i, prompt[position], k))
+                    entries.append(position_logprobs(logprobs, offset + i, prompt[position], k, self._token_text))
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's output now; a finished request is forgotten once its output is built."""
@@ -192,11 +198,21 @@ class OutputProcessor:
         return output
 
 
-def position_logprobs(logprobs: TokenLogprobs, row: int, token: int, num_top: int) -> PositionLogprobs:
+def position_logprobs(
+    logprobs: TokenLogprobs,
+    row: int,
+    token: int,
+    num_top: int,
+    token_text: Callable[[int], str] | None = None,
+) -> PositionLogprobs:
     """vLLM's per-position dict from one row of (host) TokenLogprobs: the top `num_top` tokens with their
-    ranks, and `token` (the sampled or prompt token) with its own rank when it is not among them."""
+    ranks, and `token` (the sampled or prompt token) with its own rank when it is not among them; each
+    entry's decoded_token is token_text(id) when given."""
     top = zip(logprobs.top_ids[row, :num_top].tolist(), logprobs.top_logprobs[row, :num_top].tolist(), strict=True)
     entry = {token_id: Logprob(lp, rank=r + 1) for r, (token_id, lp) in enumerate(top)}
     if token not in entry:
         entry[token] = Logprob(float(logprobs.logprob[row]), rank=int(logprobs.rank[row]))
+    if token_text is not None:
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = token_text(token_id)
     return entry

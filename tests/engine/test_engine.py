@@ -346,6 +346,10 @@ def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
     for chosen in ([kinds[0]] * 8, kinds[:2] * 4, kinds[1:3] * 4, [kinds[3]] * 8, kinds[4:] * 4, [*kinds, *kinds[:2]]):
         outputs = llm.generate(prompts, chosen, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    # Every logprob entry carries its token's text (vLLM's decoded_token), sampled and prompt positions.
+    text = {t: llm.tokenizer.decode([t], skip_special_tokens=False) for t in range(VOCAB)}
+    for entries in (outputs[3].outputs[0].logprobs, outputs[5].prompt_logprobs[1:]):
+        assert entries and all(lp.decoded_token == text[t] for entry in entries for t, lp in entry.items())
     assert set(ran) <= set(steps.compiled_steps())
     # The workload was meant to use every sampler mode, with and without penalties and prompt logprobs.
     assert {v.sampler for _, v in ran} == set(SamplerMode)

@@ -119,3 +119,5 @@ def test_position_logprobs_is_the_top_n_plus_the_chosen_token():
         11: Logprob(-3.0, rank=7),
     }
     assert position_logprobs(logprobs, 1, token=11, num_top=0) == {11: Logprob(-3.0, rank=7)}
+    named = position_logprobs(logprobs, 1, token=11, num_top=1, token_text=lambda t: f"<{t}>")
+    assert named == {3: Logprob(-0.125, rank=1, decoded_token="<3>"), 11: Logprob(-3.0, rank=7, decoded_token="<11>")}
