@@ -398,6 +398,7 @@ def _bench_llm(args: argparse.Namespace, model: Any, tokenizer: Any, max_seq_len
             cache_dir=args.cache_dir,
             compile_threads=args.compile_threads,
             penalty_variants=False,  # the benchmark's requests have no penalties
+            lazy=False,  # the whole table at start, as a server compiles it: no timed step waits for a compile
         ),
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -17,7 +17,8 @@ from jaxserve.sampling import SamplingParams
 VOCAB = 160
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-BUCKETS = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=True)
+# lazy=False: the whole table compiled at start, so every executable of it is inspected.
+BUCKETS = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=True, lazy=False)
 
 
 @pytest.fixture(scope="module")
