@@ -27,7 +27,8 @@ from jaxserve.config import CompileConfig, KvCacheConfig
 
 def in_use(device: jax.Device) -> int:
     """The device's bytes in use (0 where it reports none, as on CPU)."""
-    return int((device.memory_stats() or {}).get("bytes_in_use", 0))
+    memory = capacity.device_memory(device)
+    return 0 if memory is None else memory[1]
 
 
 class PeakSampler:

@@ -19,7 +19,9 @@ import pytest
 import transformers
 
 from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
+from jaxserve.inputs import SamplerMode
 from jaxserve.llm import LLM
+from jaxserve.runner import Runner
 from models import registry
 from models.attention import DenseAttentionMetadata, init_dense_cache
 from models.loader import LoadedModel
@@ -203,6 +205,20 @@ def assert_engine_idle() -> Callable[[LLM], None]:
 @pytest.fixture(scope="session")
 def record_compiles() -> Callable[[], contextlib.AbstractContextManager[list[str]]]:
     return _record_compiles
+
+
+@pytest.fixture
+def modes(monkeypatch: pytest.MonkeyPatch) -> list[SamplerMode]:
+    """The sampler mode of each Runner.run call."""
+    calls: list[SamplerMode] = []
+    original = Runner.run
+
+    def run(self, inputs, bucket, variant):
+        calls.append(variant.sampler)
+        return original(self, inputs, bucket, variant)
+
+    monkeypatch.setattr(Runner, "run", run)
+    return calls
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ import pytest
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
 from jaxserve.inputs import NUM_CANDIDATES, SamplerMode
-from jaxserve.runner import Runner
 from jaxserve.sampling import SamplingParams
 
 VOCAB = 160
@@ -25,20 +24,6 @@ BUCKETS = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penal
 def model_and_llm(tiny_model, make_llm):
     model = tiny_model("llama")
     return model, make_llm(model, kv_tokens=160, compile_config=BUCKETS)
-
-
-@pytest.fixture
-def modes(monkeypatch) -> list[SamplerMode]:
-    """The sampler mode of each Runner.run call."""
-    calls: list[SamplerMode] = []
-    original = Runner.run
-
-    def run(self, inputs, bucket, variant):
-        calls.append(variant.sampler)
-        return original(self, inputs, bucket, variant)
-
-    monkeypatch.setattr(Runner, "run", run)
-    return calls
 
 
 def prompts(seed: int, count: int) -> list[list[int]]:

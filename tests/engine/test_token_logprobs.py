@@ -13,7 +13,6 @@ import pytest
 
 from jaxserve.config import CompileConfig
 from jaxserve.inputs import SamplerMode
-from jaxserve.runner import Runner
 from jaxserve.sampling import SamplingParams
 
 VOCAB = 160
@@ -64,20 +63,6 @@ def llm(model, make_llm):
 @pytest.fixture(scope="module")
 def processed_llm(model, make_llm):
     return make_llm(model, compile_config=BUCKETS, logprobs_mode="processed_logprobs")
-
-
-@pytest.fixture
-def modes(monkeypatch) -> list[SamplerMode]:
-    """The sampler mode of each Runner.run call."""
-    calls: list[SamplerMode] = []
-    original = Runner.run
-
-    def run(self, inputs, bucket, variant):
-        calls.append(variant.sampler)
-        return original(self, inputs, bucket, variant)
-
-    monkeypatch.setattr(Runner, "run", run)
-    return calls
 
 
 def check_against_reference(model, dense_logits, prompt, completion, expected_of) -> None:
