@@ -283,10 +283,11 @@ def test_default_model_greedy_matches_dense_with_preemption(smollm2, make_llm, a
     assert_engine_idle(llm)
 
 
-def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch, tiny_model, make_llm):
+def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch, tmp_path, tiny_model, make_llm):
     """Compiled decode buckets pass max_q_len=1 (the Pallas kernel then skips its mixed launch); token
     buckets, which also carry prefill chunks, pass None. The xla reference ignores the hint, so the
-    calls are recorded at trace time."""
+    calls are recorded at trace time: an empty step store (cache_dir) makes sure every step is traced
+    rather than loaded from an earlier test's or an earlier run's store."""
     import pallas_kernels
 
     seen = []
@@ -297,7 +298,9 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_reference", recording)
-    config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False, lazy=False)
+    config = CompileConfig(
+        decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False, lazy=False, cache_dir=str(tmp_path)
+    )
     make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
     # Each compiled forward traces the attention once per layer. (4, 4) is both a decode bucket and a
     # token bucket: compiled once as each.
