@@ -10,6 +10,8 @@ engine that compiles nothing however its batches vary.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -305,6 +307,23 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
     # Each compiled forward traces the attention once per layer. (4, 4) is both a decode bucket and a
     # token bucket: compiled once as each.
     assert sorted(set(seen), key=str) == sorted({(2, 1), (4, 1), (4, None), (16, None)}, key=str)
+
+
+def test_no_compiled_forward_copies_the_kv_pool(tiny_model, make_llm):
+    """The pool is donated to every forward and updated in place: no compiled forward copies a buffer of
+    the pool's size, the one-row buckets included (XLA:CPU once copied the whole pool four times per
+    batch-1 decode step: seconds per token with a pool of a few GiB)."""
+    config = CompileConfig(decode_batch_sizes=(1, 2), token_buckets=(1, 16), penalty_variants=False, lazy=False)
+    llm = make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
+    runner = llm.engine.runner
+    pool = runner.kv_cache.k
+    flat_rows = pool.shape[0] * pool.shape[1] * pool.shape[2]  # the [L*N*Bs, K, Dh] view the write indexes
+    shapes = {",".join(map(str, pool.shape)), ",".join(map(str, (flat_rows, *pool.shape[3:])))}
+    copy = re.compile(r"= \w+\[([0-9,]+)\]\S* copy\(")
+    assert len(runner._forwards) >= 4
+    for (bucket, _), forward in runner._forwards.items():
+        copied = [m.group(1) for m in map(copy.search, forward.as_text().splitlines()) if m]
+        assert not shapes & set(copied), f"T={bucket.num_tokens} B={bucket.num_seqs} copies the pool: {copied}"
 
 
 # ---- the compiled table -------------------------------------------------------------------------
