@@ -200,22 +200,162 @@ class Tokenizer:
 
 # tokenizer_config.json classes that are a tokenizer.json and nothing more (transformers 4's name and 5's).
 _PLAIN_FAST_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# tokenizer_config.json keys that change nothing `TokenizerFile` does: a config with any other key (or
+# add_bos_token / add_eos_token set, which transformers applies on top of tokenizer.json) goes to
+# transformers.
+_PLAIN_CONFIG_KEYS = frozenset(
+    {
+        "tokenizer_class", "backend", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+        "cls_token", "mask_token", "additional_special_tokens", "extra_special_tokens", "added_tokens_decoder",
+        "model_max_length", "chat_template", "clean_up_tokenization_spaces", "model_input_names",
+        "padding_side", "truncation_side", "add_bos_token", "add_eos_token",
+    }
+)  # fmt: skip
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
 def _directory_tokenizer(directory: Path) -> Any:
-    """AutoTokenizer's tokenizer for a directory; a plain fast tokenizer (what a converted GGUF holds) is
-    built directly, which skips the seconds AutoTokenizer spends importing its class table on first use."""
+    """The tokenizer of a model directory. A plain tokenizer.json (what a converted GGUF holds) is served by
+    `TokenizerFile`, without importing transformers (a second of a CPU start); anything else by AutoTokenizer."""
     config_path = directory / "tokenizer_config.json"
     if (directory / "tokenizer.json").is_file() and config_path.is_file():
         with open(config_path) as f:
-            tokenizer_class = json.load(f).get("tokenizer_class")
-        if tokenizer_class in _PLAIN_FAST_TOKENIZERS:
+            config = json.load(f)
+        special_path = directory / "special_tokens_map.json"  # transformers 4 writes one beside the config
+        if special_path.is_file():
+            with open(special_path) as f:
+                config = {**json.load(f), **config}
+        if config.get("tokenizer_class") in _PLAIN_FAST_TOKENIZERS:
+            if TokenizerFile.serves(config):
+                return TokenizerFile(directory, config)
             from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(directory)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an AddedToken dict with its `content`."""
+    return value.get("content") if isinstance(value, Mapping) else value
+
+
+class TokenizerFile:
+    """A tokenizer.json run by the `tokenizers` library, with the part of a transformers fast tokenizer's
+    interface that `Tokenizer` uses: the same ids and text as `PreTrainedTokenizerFast` on the same files
+    (tests/test_tokenizer.py compares them), and its chat-template rendering (a sandboxed Jinja environment
+    with trim_blocks / lstrip_blocks, loop controls, `tojson`, `raise_exception` and `strftime_now`; the
+    special tokens as template variables; the rendered text encoded without special tokens)."""
+
+    def __init__(self, directory: Path, config: Mapping[str, Any]) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self.backend_tokenizer = Backend.from_file(str(directory / "tokenizer.json"))
+        self.name_or_path = str(directory)
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.special_tokens = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
+        template_file = directory / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        )
+        self._templates: dict[str, Any] = {}
+
+    @staticmethod
+    def serves(config: Mapping[str, Any]) -> bool:
+        """Whether a tokenizer_config.json needs nothing of transformers beyond what this class does."""
+        adds = config.get("add_bos_token") or config.get("add_eos_token")
+        template = config.get("chat_template")
+        return set(config) <= _PLAIN_CONFIG_KEYS and not adds and (template is None or isinstance(template, str))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id("bos_token")
+
+    def _id(self, key: str) -> int | None:
+        token = self.special_tokens.get(key)
+        return None if token is None else self.backend_tokenizer.token_to_id(token)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        text = self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
+
+    def apply_chat_template(
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = False,
+        chat_template: str | None = None,
+        tokenize: bool = True,
+        return_dict: bool = False,
+    ) -> list[int] | str:
+        if return_dict:
+            raise ValueError("TokenizerFile.apply_chat_template returns ids or text, not a dict")
+        source = chat_template or self.chat_template
+        if source is None:
+            raise ValueError("the tokenizer has no chat template")
+        if source not in self._templates:
+            self._templates[source] = _jinja_environment().from_string(source)
+        variables = {**self.special_tokens, "tools": None, "documents": None}
+        text = self._templates[source].render(
+            messages=list(conversation), add_generation_prompt=add_generation_prompt, **variables
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _jinja_environment() -> Any:
+    """The Jinja environment chat templates are written for (transformers' and vLLM's)."""
+    from datetime import datetime
+
+    from jinja2 import TemplateError, nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` (which marks assistant text for training masks) renders
+        its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationTag]
+    )
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization: no space before punctuation and English contractions."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):  # fmt: skip
+        text = text.replace(before, after)
+    return text
 
 
 def _directory_eos_ids(directory: Path) -> list[int]:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -25,12 +26,13 @@ from jaxserve.tokenizer import (
     CHAT_ROLES,
     IncrementalDetokenizer,
     Tokenizer,
+    TokenizerFile,
     find_stop,
     stop_holdback,
     validate_conversations,
     validate_messages,
 )
-from models import hub
+from models import convert, hub
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -162,6 +164,62 @@ def test_chat_template(tok):
     assert tok.apply_chat_template(messages) == tok.encode(expected, add_special_tokens=False)
     no_prompt = tok.apply_chat_template(messages, add_generation_prompt=False)
     assert tok.decode(no_prompt, skip_special_tokens=False) == expected.removesuffix("<|im_start|>assistant\n")
+
+
+# Texts and conversations a tokenizer file must treat as transformers does.
+PARITY_TEXTS = ["hello world", "The capital of France is", "héllo wörld 你好 🙂\n\n  x", "", " a  b ", "x <|im_end|> y"]
+PARITY_CONVERSATIONS = [
+    [HELLO := {"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "Be brief."}, HELLO, {"role": "assistant", "content": "Hi."}, HELLO],
+    [{"role": "user", "content": "héllo 🙂 <|im_start|>"}],
+]
+
+
+def _assert_same_as_transformers(ours: Any, theirs: Any) -> None:
+    assert isinstance(ours, TokenizerFile)
+    assert (len(ours), ours.eos_token_id, ours.bos_token_id) == (len(theirs), theirs.eos_token_id, theirs.bos_token_id)
+    for text in PARITY_TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == theirs.encode(text, add_special_tokens=special), (text, special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    for conversation in PARITY_CONVERSATIONS:
+        for prompt in (True, False):
+            kwargs = {"add_generation_prompt": prompt, "tokenize": True, "return_dict": False}
+            assert ours.apply_chat_template(conversation, **kwargs) == list(
+                theirs.apply_chat_template(conversation, **kwargs)
+            ), (conversation, prompt)
+
+
+def test_a_plain_tokenizer_file_gives_what_transformers_gives(tok, tokenizer_dir):
+    _assert_same_as_transformers(tok.hf_tokenizer, PreTrainedTokenizerFast.from_pretrained(tokenizer_dir))
+    generation = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}|{% endfor %}"
+    assert tok.decode(tok.apply_chat_template([HELLO, HELLO], chat_template=generation)) == "hello|hello|"
+
+
+def test_a_plain_tokenizer_file_loads_without_transformers(tokenizer_dir):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["transformers"] = None  # any `import transformers` now fails
+        from jaxserve.tokenizer import Tokenizer
+        tok = Tokenizer.from_source({str(tokenizer_dir)!r})
+        print(tok.decode(tok.apply_chat_template([{{"role": "user", "content": "hello"}}]), skip_special_tokens=False))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n\n"
+
+
+def test_tokenizer_configs_transformers_must_interpret_go_to_transformers(tmp_path):
+    _tiny_hf_tokenizer(CHAT_TEMPLATE).save_pretrained(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for extra in ({"add_bos_token": True}, {"a_key_of_some_tokenizer_class": 1}):
+        config_path.write_text(json.dumps({**config, **extra}))
+        assert not isinstance(Tokenizer.from_source(tmp_path).hf_tokenizer, TokenizerFile), extra
 
 
 def test_missing_chat_template_is_a_clear_error(tmp_path):
@@ -409,6 +467,14 @@ def test_gguf_tokenizer_matches_transformers(default_gguf):
     messages = [{"role": "user", "content": "What is 2+2?"}]
     expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ours.apply_chat_template(messages) == list(expected)
+    assert ours.eos_token_ids == (2,) and ours.vocab_size == 49152
+
+
+@pytest.mark.slow
+def test_the_converted_default_tokenizer_gives_what_transformers_gives(default_gguf):
+    directory = convert.cached_conversion(default_gguf)  # what `LLM()` serves
+    ours = Tokenizer.from_source(directory)
+    _assert_same_as_transformers(ours.hf_tokenizer, PreTrainedTokenizerFast.from_pretrained(directory))
     assert ours.eos_token_ids == (2,) and ours.vocab_size == 49152
 
 
