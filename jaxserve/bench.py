@@ -103,7 +103,7 @@ def load_model(
     else:
         from models.hub import DEFAULT_MODEL
 
-        loaded = load_checkpoint(model or DEFAULT_MODEL, dtype=resolve_dtype(dtype))
+        loaded = load_checkpoint(model or DEFAULT_MODEL, dtype=resolve_dtype(dtype), on_device=False)
     source = tokenizer if tokenizer is not None else loaded.tokenizer_source
     return loaded, TokenIdTokenizer() if source is None else Tokenizer.from_source(source)
 

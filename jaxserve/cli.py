@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> str:
     from models.loader import load_model
 
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
-    model = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    model = load_model(args.model, dtype=resolve_dtype(args.dtype), on_device=False)  # LLM places it
     if model.tokenizer_source is None:
         raise ValueError(f"{args.model} has no tokenizer files")
     tokenizer = Tokenizer.from_source(model.tokenizer_source)

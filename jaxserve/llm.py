@@ -10,6 +10,7 @@ closed or dropped aborts its request, whose KV blocks are freed at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import os
@@ -70,6 +71,9 @@ class LLM:
     logprobs_mode: "raw_logprobs" (default) or "processed_logprobs": what sampled tokens' logprobs are
         taken over (`EngineConfig.logprobs_mode`, vLLM's option of that name).
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
+
+    `llm.model` is the model's description (family, config, Hugging Face config, sources) without its
+    weights: the engine holds the only copy it serves (`update_weights` replaces it).
     """
 
     def __init__(
@@ -95,7 +99,10 @@ class LLM:
         _check_arguments(model, dtype, max_batch_size, tensor_parallel_size, seed, show_progress)
         engine_mesh = _engine_mesh(mesh, mesh_axes, tensor_parallel_size)
         capacity.raise_memory_fraction_default()
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=resolve_dtype(dtype))
+        if isinstance(model, LoadedModel):
+            loaded = model
+        else:  # host weights: the runner lays them out on the device one layer at a time
+            loaded = load_model(model, dtype=resolve_dtype(dtype), on_device=False)
         self.model, self.tokenizer = loaded, _tokenizer(tokenizer, loaded)
         self.config = make_engine_config(
             loaded.hf_config,
@@ -120,6 +127,9 @@ class LLM:
             seed=seed % SEED_MODULUS,
             show_progress=show_progress,
         )
+        # The engine serves its own copy of the weights (the serving layout); holding the checkpoint layout
+        # too kept a second copy of every weight on the device for the LLM's lifetime.
+        self.model = dataclasses.replace(loaded, weights=None)
         # The latest output of every request a call of this LLM is waiting for (None: none yet).
         self._mailboxes: dict[str, RequestOutput | None] = {}
         self.weights_version = 0  # how many times update_weights replaced the weights

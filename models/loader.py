@@ -71,8 +71,13 @@ def numpy_dtype(dtype: str) -> Any:
     return DTYPES[dtype]
 
 
-def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedModel:
-    """Loads a local Hugging Face directory, a .gguf file, an orbax directory, the default model or a hub id."""
+def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16", on_device: bool = True) -> LoadedModel:
+    """Loads a local Hugging Face directory, a .gguf file, an orbax directory, the default model or a hub id.
+
+    on_device=False leaves a checkpoint's weights in host memory (numpy arrays; an orbax checkpoint is
+    restored to the device either way), for a consumer that lays them out on the device itself: `LLM`
+    builds its serving layout from them one layer at a time, so the device never holds the checkpoint
+    layout beside it."""
     from models import gguf
     from models.convert import cached_conversion
     from models.hub import DEFAULT_MODEL, ResolvedSource, resolve_model_source
@@ -87,14 +92,14 @@ def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16") -> LoadedM
     if resolved.kind == "gguf":
         checkpoint = gguf.open_gguf(path)
         family, cfg = _resolve_family(checkpoint.hf_config, path, "the config from its metadata: ")
-        weights = _assemble(family, cfg, checkpoint.tensors(), np_dtype)
+        weights = _assemble(family, cfg, checkpoint.tensors(), np_dtype, on_device)
         return LoadedModel(family, cfg, weights, checkpoint.hf_config, str(path), str(source))
     hf_config = read_hf_config(path)
     family, cfg = _resolve_family(hf_config, path / "config.json")
     if resolved.kind == "orbax":
         weights = load_orbax(path / ORBAX_PARAMS_DIR, family, cfg, dtype)
     else:
-        weights = _assemble(family, cfg, SafetensorsCheckpoint(path).tensors(), np_dtype)
+        weights = _assemble(family, cfg, SafetensorsCheckpoint(path).tensors(), np_dtype, on_device)
     tokenizer_source = str(path) if any((path / name).is_file() for name in _TOKENIZER_MARKERS) else None
     return LoadedModel(family, cfg, weights, hf_config, tokenizer_source, str(source))
 
@@ -338,7 +343,9 @@ def _check_complete(fields: dict[str, _Field]) -> None:
                 raise ValueError(f"missing tensor {_example_name(field.rule.pattern, index)} (field {path}{where})")
 
 
-def _assemble(family: ModelFamily, cfg: Any, tensors: Iterable[tuple[str, np.ndarray]], np_dtype: Any) -> Any:
+def _assemble(
+    family: ModelFamily, cfg: Any, tensors: Iterable[tuple[str, np.ndarray]], np_dtype: Any, on_device: bool = True
+) -> Any:
     fields, rules = _prepare_fields(family, cfg, np_dtype)
     seen: set[str] = set()
     for name, array in tensors:
@@ -349,7 +356,8 @@ def _assemble(family: ModelFamily, cfg: Any, tensors: Iterable[tuple[str, np.nda
     _check_complete(fields)
     leaves = {}
     for path in list(fields):
-        leaves[path] = jnp.asarray(fields.pop(path).data)  # drop each host buffer once it is on device
+        data = fields.pop(path).data
+        leaves[path] = jnp.asarray(data) if on_device else data  # drop each host buffer once it is on device
     return build_tree(family.param_specs(cfg), leaves)
 
 

@@ -8,6 +8,8 @@ A tiny random Llama on the xla backend (its vocabulary has 160 tokens) and the o
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 import pytest
@@ -26,7 +28,17 @@ OK = [1, 2, 3]
 @pytest.fixture(scope="module")
 def llm(tiny_model, make_llm):
     buckets = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False)
-    return make_llm(tiny_model("llama"), compile_config=buckets)
+    model = tiny_model("llama")
+    llm = make_llm(model, compile_config=buckets)
+    _MODELS[id(llm)] = model  # `llm.model` carries no weights: constructor cases build from this one
+    return llm
+
+
+_MODELS: dict[int, Any] = {}
+
+
+def _the_llms_model(llm: LLM) -> Any:
+    return _MODELS[id(llm)]
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +221,7 @@ def construct(model_source=None, **kwargs):
     def build(llm):
         from jaxserve.tokenizer import Tokenizer
 
-        source = llm.model if model_source is None else model_source
+        source = _the_llms_model(llm) if model_source is None else model_source
         options = dict(
             tokenizer=llm.tokenizer if "tokenizer" not in kwargs else kwargs.pop("tokenizer"),
             attention_backend="xla",

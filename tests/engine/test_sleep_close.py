@@ -5,6 +5,7 @@ and clear errors for what cannot be done in each state."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -114,3 +115,16 @@ def test_sleep_is_refused_while_a_request_is_unfinished_or_at_an_unknown_level(m
             llm.sleep(level)
     llm.close()  # aborts the unfinished request
     assert not llm.engine.scheduler.has_unfinished()
+
+
+def test_an_llm_keeps_no_second_copy_of_the_weights(tiny_model, make_llm):
+    """The engine serves its own (serving-layout) copy; once the caller drops the loaded model, its
+    checkpoint-layout arrays are freed: `llm.model` describes the model without holding them."""
+    model = tiny_model("llama")
+    checkpoint_leaves = [weakref.ref(leaf) for leaf in jax.tree.leaves(model.weights)]
+    llm = make_llm(model)
+    del model
+    gc.collect()
+    assert llm.model.weights is None
+    assert [ref for ref in checkpoint_leaves if ref() is not None] == []
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -173,11 +173,20 @@ def trained() -> LlamaForCausalLM:
     return model
 
 
-def test_the_served_weights_compute_the_nnx_models_logits(trained, char_tokenizer, dense_logits):
-    llm = LLM.from_params(nnx.state(trained, nnx.Param), HF_CONFIG, char_tokenizer(), **ENGINE)
+def test_the_served_weights_compute_the_nnx_models_logits(trained, char_tokenizer):
+    """The engine's prompt logprobs (its serving-layout weights, through the paged step) equal the NNX
+    model's log-softmax at every position."""
+    scoring = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False, prompt_logprobs=True)
+    llm = LLM.from_params(
+        nnx.state(trained, nnx.Param), HF_CONFIG, char_tokenizer(), **{**ENGINE, "compile_config": scoring}
+    )
     ids = prompts()[0]
-    want = np.asarray(trained(jnp.asarray([ids]))[0])
-    np.testing.assert_allclose(dense_logits(llm.model, ids), want, rtol=1e-5, atol=1e-5)
+    want = np.asarray(jax.nn.log_softmax(trained(jnp.asarray([ids]))[0], axis=-1))
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    served = [out.prompt_logprobs[p][token].logprob for p, token in enumerate(ids) if p > 0]
+    np.testing.assert_allclose(
+        served, [want[p - 1, token] for p, token in enumerate(ids) if p > 0], rtol=1e-5, atol=1e-5
+    )
     llm.close()
 
 
