@@ -60,7 +60,7 @@ def make_server(
     """A uvicorn server of the application over `llm` (not started: `run()` it, or `serve`)."""
     app = build_app(llm, config)
     uvicorn_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=5
+        app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on"
     )
     return Server(uvicorn_config, app.state.server.frontend)
 

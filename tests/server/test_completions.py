@@ -73,6 +73,30 @@ def test_n_2_with_a_seed_is_reproducible_and_samples_what_the_offline_api_sample
     assert [c.text for c in by_index(other.choices)] != texts
 
 
+def test_streamed_choices_of_several_prompts_and_samples_are_indexed_prompt_times_n_plus_sample(
+    client, model, reference
+):
+    params = dict(temperature=0.9, top_p=0.95, seed=3, n=2, max_tokens=6)
+    prompts = PROMPTS[:2]
+    expected = offline(reference, prompts, top_k=40, **params)
+    stream = client.completions.create(model=model, prompt=prompts, stream=True, extra_body={"top_k": 40}, **params)
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {i * 2 + c.index: c.text for i, o in enumerate(expected) for c in o.outputs}
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client, model, reference):
+    prompt = reference.tokenizer.encode(" ".join(["a long shared prefix"] * 10))  # 40 tokens: 2 full blocks
+    assert 32 < len(prompt) <= 48
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == len(prompt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32  # the blocks before the last one
+
+
 def test_logprobs_equal_the_offline_api(client, model, reference):
     response = client.completions.create(model=model, prompt=PROMPTS[1], logprobs=3, **GREEDY)
     [expected] = offline(reference, [PROMPTS[1]], logprobs=3, **GREEDY)
