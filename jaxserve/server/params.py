@@ -63,6 +63,8 @@ class EngineInputs:
 
 
 def completion_inputs(request: CompletionRequest, tokenizer: Tokenizer, limits: EngineLimits) -> EngineInputs:
+    """A completions request's engine inputs; a 400 APIError names the field at fault. With echo and
+    logprobs the prompt is scored too (prompt_logprobs = logprobs, as vLLM does)."""
     _check_stream_fields(request)
     if request.max_tokens == 0 and not request.echo:
         message = "max_tokens must be >= 1 (0 only with echo=true, which returns the prompt), got 0"
@@ -84,6 +86,8 @@ def completion_inputs(request: CompletionRequest, tokenizer: Tokenizer, limits: 
 
 
 def chat_inputs(request: ChatCompletionRequest, tokenizer: Tokenizer, limits: EngineLimits) -> EngineInputs:
+    """A chat request's engine inputs: the conversation through the chat template; a 400 APIError names the
+    field at fault (a malformed message is the tokenizer's `validate_messages` error, on `messages`)."""
     _check_stream_fields(request)
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
