@@ -200,15 +200,17 @@ class OpenAIServer:
         return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     async def tokenizer_info(self) -> dict[str, Any]:
-        """What lm-evaluation-harness's remote tokenizer reads (eos / bos / pad tokens, the chat template)."""
-        hf = getattr(self.tokenizer, "hf_tokenizer", None)
+        """What lm-evaluation-harness's remote tokenizer reads: the eos and bos tokens (as text, which it
+        encodes back to their ids) and the chat template."""
+        tokenizer = self.tokenizer
+        hf = getattr(tokenizer, "hf_tokenizer", None)
+        eos, bos = tokenizer.eos_token_ids, getattr(tokenizer, "bos_token_id", None)
         return {
-            "tokenizer_class": type(hf if hf is not None else self.tokenizer).__name__,
-            "eos_token": getattr(hf, "eos_token", None),
-            "bos_token": getattr(hf, "bos_token", None),
-            "pad_token": getattr(hf, "pad_token", None),
-            "unk_token": getattr(hf, "unk_token", None),
-            "eos_token_ids": list(self.tokenizer.eos_token_ids),
+            "tokenizer_class": type(hf if hf is not None else tokenizer).__name__,
+            "eos_token": tokenizer.decode(eos[:1], skip_special_tokens=False) if eos else None,
+            "bos_token": tokenizer.decode([bos], skip_special_tokens=False) if bos is not None else None,
+            "eos_token_ids": list(eos),
+            "bos_token_id": bos,
             "chat_template": getattr(hf, "chat_template", None),
             "model_max_length": self.max_seq_len,
             "vocab_size": self.limits.vocab_size,

@@ -35,13 +35,13 @@ def test_tokenize_and_detokenize_use_the_models_tokenizer(served, reference):
 def test_tokenizer_info_gives_lm_eval_the_remote_tokenizer(served, reference):
     from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
 
-    hf = reference.tokenizer.hf_tokenizer
+    tokenizer = reference.tokenizer
     info = requests.get(f"{served.url}/tokenizer_info").json()
-    assert (info["eos_token"], info["bos_token"], info["chat_template"]) == (
-        hf.eos_token,
-        hf.bos_token,
-        hf.chat_template,
-    )
+    [eos] = tokenizer.encode(info["eos_token"], add_special_tokens=False)
+    [bos] = tokenizer.encode(info["bos_token"], add_special_tokens=False)
+    assert (eos, bos) == (tokenizer.eos_token_ids[0], tokenizer.bos_token_id)
+    assert info["eos_token_ids"] == list(tokenizer.eos_token_ids) and info["bos_token_id"] == bos
+    assert info["chat_template"] == tokenizer.hf_tokenizer.chat_template
     base_url = f"{served.url}/v1/completions"
     assert check_remote_tokenizer_support(base_url, auth_token=served.api_key)
     remote = RemoteTokenizer(base_url, auth_token=served.api_key)
