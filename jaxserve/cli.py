@@ -1,7 +1,9 @@
-"""The `jaxserve` command line: generate, chat, bench throughput | latency.
+"""The `jaxserve` command line: generate, chat, serve, bench throughput | latency.
 
 stdout carries only the generated text (or the benchmark's report), so the output can be piped; progress
-and logs go to stderr. The benchmarks' logic is `jaxserve.bench`'s; this module parses and calls.
+and logs go to stderr. The benchmarks' logic is `jaxserve.bench`'s and the server's `jaxserve.server`'s
+(imported only by `serve`, so the other commands need neither fastapi nor uvicorn); this module parses
+and calls.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("message", help="the user's message")
     chat.add_argument("--system", default=None, help="an optional system message")
     _add_generation_args(chat)
+    _add_serve_parser(commands)
     _add_bench_parsers(commands)
     return parser
 
@@ -208,7 +211,12 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     output.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
 
-def _add_engine_options(group: Any) -> None:
+def _add_engine_options(
+    group: Any,
+    *,
+    max_batch_size_help: str = "sequences per step (default: 256 on GPU, 8 on CPU; latency: --batch-size)",
+    max_seq_len_help: str = "default: the longest request's prompt + output",
+) -> None:
     from jaxserve.config import ATTENTION_BACKENDS, DTYPES, CapacityPolicy
 
     positive = _int_at_least(1)
@@ -228,16 +236,9 @@ def _add_engine_options(group: Any) -> None:
         metavar="N",
         help="devices the model is split over (default: 1)",
     )
-    group.add_argument(
-        "--max-batch-size",
-        type=positive,
-        metavar="N",
-        help="sequences per step (default: 256 on GPU, 8 on CPU; latency: --batch-size)",
-    )
+    group.add_argument("--max-batch-size", type=positive, metavar="N", help=max_batch_size_help)
     group.add_argument("--max-num-tokens", type=positive, metavar="N", help="tokens per step (default: 8192)")
-    group.add_argument(
-        "--max-seq-len", type=_int_at_least(2), metavar="N", help="default: the longest request's prompt + output"
-    )
+    group.add_argument("--max-seq-len", type=_int_at_least(2), metavar="N", help=max_seq_len_help)
     group.add_argument(
         "--kv-cache-free-memory-fraction",
         type=_float_in(0.0, 1.0, low_open=True),
@@ -374,7 +375,6 @@ def _bench_workloads(args: argparse.Namespace, entries: Any, tokenizer: Any, voc
 
 
 def _bench_llm(args: argparse.Namespace, model: Any, tokenizer: Any, max_seq_len: int) -> Any:
-    from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
     from jaxserve.llm import LLM
 
     max_batch_size = args.max_batch_size
@@ -384,27 +384,133 @@ def _bench_llm(args: argparse.Namespace, model: Any, tokenizer: Any, max_seq_len
         model,
         tokenizer=tokenizer,
         max_batch_size=max_batch_size,
-        max_num_tokens=args.max_num_tokens,
         max_seq_len=max_seq_len,
-        kv_cache_config=KvCacheConfig(
+        # penalty_variants: the benchmark's requests have none; lazy=False: the whole table at start, as a
+        # server compiles it, so no timed step waits for a compile.
+        **_engine_keywords(args, penalty_variants=False, lazy=False),
+        seed=args.seed,
+        show_progress=args.verbose,
+    )
+
+
+def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[str, Any]:
+    """The `LLM` keywords of `_add_engine_options`' flags (but max_batch_size and max_seq_len, which each
+    command defaults in its own way); compile_options: more CompileConfig fields."""
+    from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
+
+    return {
+        "max_num_tokens": args.max_num_tokens,
+        "kv_cache_config": KvCacheConfig(
             free_memory_fraction=args.kv_cache_free_memory_fraction,
             max_tokens=args.kv_cache_max_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
-        scheduler_config=SchedulerConfig(capacity_policy=CapacityPolicy(args.capacity_policy)),
-        compile_config=CompileConfig(
+        "scheduler_config": SchedulerConfig(capacity_policy=CapacityPolicy(args.capacity_policy)),
+        "compile_config": CompileConfig(
             decode_batch_sizes=args.decode_batch_sizes,
             token_buckets=args.token_buckets,
             cache_dir=args.cache_dir,
             compile_threads=args.compile_threads,
-            penalty_variants=False,  # the benchmark's requests have no penalties
-            lazy=False,  # the whole table at start, as a server compiles it: no timed step waits for a compile
+            **compile_options,
         ),
-        attention_backend=args.attention_backend,
-        tensor_parallel_size=args.tensor_parallel_size,
+        "attention_backend": args.attention_backend,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+
+
+# ---- jaxserve serve -----------------------------------------------------------------------------
+
+
+def _add_serve_parser(commands: Any) -> None:
+    from jaxserve.config import LOGPROBS_MODES
+    from jaxserve.server.config import DEFAULT_MAX_REQUEST_BYTES
+    from models.hub import DEFAULT_MODEL
+
+    parser = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (completions, chat, tokenizer endpoints, metrics)",
+        description="Serves the model over vLLM's OpenAI-compatible API: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /tokenizer_info, /health, /version and /metrics. SIGINT or SIGTERM "
+        "aborts the requests in flight and exits.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"model name, HF directory, GGUF file, orbax directory or hub id (default: {DEFAULT_MODEL})",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    server.add_argument(
+        "--port", type=_int_at_least(0), default=8000, help="port to bind; 0 picks a free one (default: 8000)"
+    )
+    server.add_argument(
+        "--served-model-name", metavar="NAME", help="the name clients send as 'model' (default: MODEL as given)"
+    )
+    server.add_argument(
+        "--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on the /v1 routes (default: none)"
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=_int_at_least(1),
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help=f"larger request bodies get a 413 (default: {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    engine = parser.add_argument_group("engine")
+    _add_engine_options(
+        engine,
+        max_batch_size_help="sequences per step (default: 8 on CPU; on a GPU the largest of 1024, 512, 256 "
+        "whose sequences of 256 tokens the KV pool holds)",
+        max_seq_len_help="prompt + generated tokens of one sequence (default: the model's)",
+    )
+    engine.add_argument(
+        "--enable-prompt-logprobs",
+        action="store_true",
+        help="compile the prompt-logprobs steps: prompt_logprobs, and echo with logprobs (what lm-eval's "
+        "local-completions scores with), are refused without it",
+    )
+    engine.add_argument(
+        "--no-penalty-variants",
+        action="store_true",
+        help="do not compile the penalty steps: repetition / presence / frequency penalties are then refused",
+    )
+    engine.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw_logprobs",
+        help="what sampled tokens' logprobs are taken over: the model's distribution (raw_logprobs, the default) "
+        "or the one the token is drawn from, after penalties, temperature and filters (processed_logprobs)",
+    )
+    engine.add_argument("--seed", type=int, default=0, help="the engine's seed for unseeded sampling (default: 0)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's progress to stderr")
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """Builds the engine, serves until SIGINT / SIGTERM, frees the engine."""
+    from jaxserve import capacity
+    from jaxserve.llm import LLM
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.launch import serve
+
+    capacity.raise_memory_fraction_default()  # before anything starts a jax backend
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        **_engine_keywords(
+            args, prompt_logprobs=args.enable_prompt_logprobs, penalty_variants=not args.no_penalty_variants
+        ),
+        logprobs_mode=args.logprobs_mode,
         seed=args.seed,
         show_progress=args.verbose,
     )
+    config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_request_bytes)
+    try:
+        serve(llm, args.host, args.port, config)
+    finally:
+        llm.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -412,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         _validate_bench(args)
-    else:
+    elif args.command != "serve":
         _validate(args, parser)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -420,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
+        if args.command == "serve":
+            run_serve(args)
+            return 0
         text = run_bench(args) if args.command == "bench" else run(args)
     except (FileNotFoundError, ValueError, TypeError, RuntimeError) as error:
         print(f"jaxserve: error: {error}", file=sys.stderr)

@@ -278,16 +278,21 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(pending)
 
     def submit(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        stream: bool = True,
     ) -> Future[str]:
-        """Thread-safe `add_request(..., stream=True)`: applied at the engine's next step; the future holds
-        the request id, or the error that refused the request."""
+        """Thread-safe `add_request`: applied at the engine's next step; the future holds the request id, or
+        the error that refused the request. A future cancelled before that step adds nothing."""
         future: Future[str] = Future()
 
         def add() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(self.add_request(prompt, params, request_id, stream=True))
+                    future.set_result(self.add_request(prompt, params, request_id, stream=stream))
                 except Exception as error:
                     future.set_exception(error)
 

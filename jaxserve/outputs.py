@@ -192,6 +192,7 @@ class OutputProcessor:
             metrics=first.metrics,
             error=errors[0] if errors else None,
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            num_cached_tokens=first.num_cached_tokens,
         )
         if output.finished:
             del self._groups[request_id]

@@ -293,6 +293,8 @@ class RequestOutput:
     """What `generate` / the stream yields for one request: its prompt, its n completions and metrics.
 
     error: set when the request could not be served (finish_reason "error" on every output).
+    num_cached_tokens: prompt tokens whose KV came from the prefix cache at the request's (latest)
+        admission, as vLLM's field of that name; 0 before it is admitted.
     """
 
     request_id: str
@@ -303,6 +305,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
 
 
 def validate_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:

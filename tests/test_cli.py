@@ -53,3 +53,22 @@ def test_a_seed_beyond_64_bits_is_taken_modulo_2_32(capsys):
     huge = capsys.readouterr().out
     assert main([*args, "--seed", "7"]) == 0
     assert capsys.readouterr().out == huge
+
+
+def test_every_serve_option_is_documented_and_building_the_parser_imports_no_server():
+    import argparse
+    import subprocess
+    import sys
+
+    from jaxserve.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    assert not [a.option_strings or a.dest for a in serve._actions if not a.help], "an option without help"
+    options = {option for action in serve._actions for option in action.option_strings}
+    assert {"--host", "--port", "--served-model-name", "--api-key", "--max-batch-size", "--max-seq-len"} <= options
+    code = (
+        "import sys, jaxserve.cli as cli; cli.build_parser(); "
+        "assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

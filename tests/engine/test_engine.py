@@ -133,6 +133,7 @@ def test_second_identical_prompt_computes_only_its_last_block(engines, prompt_le
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert stats.queried_tokens - queried == prompt_len
     assert stats.hit_tokens - hits == prompt_len - computed
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, prompt_len - computed)
     prefill = new_stats(llm, steps)[0]
     assert (prefill.num_tokens, prefill.num_prefill_rows, prefill.num_seqs) == (computed, 1, 1)
     assert_engine_idle(llm)

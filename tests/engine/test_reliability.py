@@ -170,6 +170,18 @@ def test_submissions_from_other_threads(llm, alone, idle_after):
     assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 100
 
 
+def test_a_submission_without_streaming_reports_only_its_final_output(llm, alone, idle_after):
+    engine = llm.engine
+    quiet, streamed = engine.submit(PROMPTS[4], GREEDY, stream=False), engine.submit(PROMPTS[5], GREEDY)
+    reported: dict[str, list] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            reported.setdefault(output.request_id, []).append(output)
+    [final] = reported[quiet.result()]
+    assert final.finished and final.outputs[0].token_ids == alone[4]
+    assert len(reported[streamed.result()]) > 1 and reported[streamed.result()][-1].outputs[0].token_ids == alone[5]
+
+
 def test_min_tokens_holds_stop_strings_back(llm, alone, idle_after):
     """vLLM's rule: a stop string counts only once min_tokens tokens are out."""
     text = llm.tokenizer.decode(alone[0])

@@ -1,0 +1,28 @@
+"""The server's own settings (the engine's are the `LLM` keywords); importable without fastapi, so the
+command line can show their defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Larger bodies are refused with a 413 (a batch of 512 prompts of 2k token ids each is about 6 MB).
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """served_model_name: the name clients send as `model`; api_key: None serves without authentication;
+    max_request_bytes: larger request bodies get a 413."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.served_model_name, str) or not self.served_model_name:
+            raise ValueError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be None or a non-empty string")
+        size = self.max_request_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"max_request_bytes must be an int >= 1, got {size!r}")

@@ -1,0 +1,281 @@
+"""The async front end: asyncio request handlers over one engine thread.
+
+    handler --Engine.submit / submit_abort (thread-safe inbox)--> engine thread: step() while anything runs
+    engine thread --loop.call_soon_threadsafe(outputs)--> the RequestGroup of each output (asyncio)
+
+The engine thread sleeps on a condition while the engine has nothing to do (no busy loop) and is woken by
+every submission and abort. An HTTP request's prompts are one RequestGroup: its outputs are cumulative
+(the text so far), so the group keeps only the newest of each request and a slow reader gets one bigger
+delta instead of a queue. Closing a group before its requests finish (a client gone, a cancelled
+handler) aborts them; their blocks are freed at the next step.
+
+A step that raises does not end the thread: the engine recovers (its `_recover`), the requests it had
+admitted fail with a StepFailed error (a 500) and are aborted, and the engine serves on. `shut_down`
+stops accepting and fails what is in flight with Unavailable (a 503); `stop` drains and ends the thread.
+Should the thread itself end on an error, every request in flight fails with Unavailable too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from jaxserve.request import RequestStatus
+from jaxserve.sampling import RequestOutput, SamplingParams
+from jaxserve.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from jaxserve.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """An engine step raised while the request was running in it."""
+
+
+class Unavailable(RuntimeError):
+    """The server does not serve requests any more: it is shutting down (the ones in flight are aborted), or
+    its engine thread ended."""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt); `outputs` yields their newest outputs
+    as they change, until every one is finished. `close` aborts the unfinished ones.
+
+    release: called once by `close` with the group and the ids of its unfinished requests."""
+
+    def __init__(self, request_ids: list[str], release: Callable[[RequestGroup, list[str]], None]) -> None:
+        self.request_ids = request_ids
+        self._release = release
+        self._unfinished = set(request_ids)
+        self._latest: dict[str, RequestOutput] = {}
+        self._changed: dict[str, None] = {}  # ids with an output not yet yielded, in arrival order
+        self._event = asyncio.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    @property
+    def completed(self) -> bool:
+        """Every request finished, and the group did not fail."""
+        return not self._unfinished and self._error is None
+
+    def deliver(self, output: RequestOutput) -> None:
+        self._latest[output.request_id] = output
+        self._changed[output.request_id] = None
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The newest output of each request that changed since the last one; raises the group's error."""
+        while self._unfinished:
+            await self._event.wait()
+            self._event.clear()
+            if self._error is not None:
+                raise self._error
+            changed, self._changed = list(self._changed), {}
+            for request_id in changed:
+                output = self._latest[request_id]
+                if output.finished:
+                    self._unfinished.discard(request_id)
+                yield output
+
+    async def finals(self) -> list[RequestOutput]:
+        """Every request's final output, in the order of the prompts."""
+        async for _ in self.outputs():
+            pass
+        return [self._latest[request_id] for request_id in self.request_ids]
+
+    def close(self) -> None:
+        """Aborts the unfinished requests and forgets the group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release(self, [i for i in self.request_ids if i in self._unfinished])
+
+
+class AsyncEngine:
+    """One engine, stepped by one thread, shared by the asyncio handlers of one event loop."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._groups: dict[str, RequestGroup] = {}  # request id -> its group (event loop thread only)
+        self._arrivals: dict[str, float] = {}  # request id -> time.monotonic() it arrived
+        self._failed: set[str] = set()  # ids failed by a step error: their final output counts as "error"
+        self._cond = threading.Condition()
+        # Guarded by _cond: work was submitted, the thread must stop, it sleeps, the open groups.
+        self._work = False
+        self._stopping = False
+        self._idle = False
+        self._num_groups = 0
+        self.accepting = True
+
+    # ---- lifecycle (event loop thread) -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shut_down(self) -> None:
+        """Stops accepting requests and fails every one in flight with Unavailable (their engine requests
+        are aborted)."""
+        self.accepting = False
+        for group in list(dict.fromkeys(self._groups.values())):
+            group.fail(Unavailable("the server is shutting down"))
+            group.close()
+
+    async def stop(self) -> None:
+        """shut_down, then lets the engine thread apply the aborts and end."""
+        self.shut_down()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Blocks (in any thread but the engine's) until no group is open and the engine thread sleeps
+        with nothing to do; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._idle and not self._work and not self._num_groups, timeout)
+
+    # ---- requests (event loop thread) ------------------------------------------------------------
+
+    async def submit(
+        self, prompts: Sequence[list[int]], params: SamplingParams, request_id: str, *, stream: bool
+    ) -> RequestGroup:
+        """Queues one engine request per prompt and waits until the engine took them in; a prompt the
+        engine refuses raises its ValueError / TypeError (prefixed with "prompt i: " among several) and
+        withdraws the others. stream: every changed output is delivered, else only the final ones."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down")
+        if not self.is_running:
+            raise Unavailable("the engine thread is not running")
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        group = RequestGroup(ids, self._release)
+        with self._cond:
+            self._num_groups += 1
+        now = time.monotonic()
+        futures = []
+        for request, prompt in zip(ids, prompts, strict=True):
+            self._groups[request] = group
+            self._arrivals[request] = now
+            futures.append(self.engine.submit(prompt, params, request, stream=stream))
+        self._wake()
+        try:
+            for index, future in enumerate(futures):
+                try:
+                    await asyncio.wrap_future(future)
+                except (ValueError, TypeError) as error:
+                    raise type(error)(f"prompt {index}: {error}" if len(ids) > 1 else str(error)) from error
+        except BaseException:
+            for request in ids:  # a refused request has no final output to take its arrival time
+                self._arrivals.pop(request, None)
+            group.close()
+            raise
+        return group
+
+    def _release(self, group: RequestGroup, unfinished: list[str]) -> None:
+        for request_id in group.request_ids:
+            self._groups.pop(request_id, None)
+        for request_id in unfinished:
+            self.engine.submit_abort(request_id)
+        with self._cond:
+            self._num_groups -= 1
+            self._work = self._work or bool(unfinished)
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._work = True
+            self._cond.notify_all()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            group = self._groups.get(output.request_id)
+            if group is not None:
+                group.deliver(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for group in list(dict.fromkeys(self._groups.values())):
+            group.fail(error)
+
+    def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            group = self._groups.get(request_id)
+            if group is not None:
+                group.fail(error)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._next_step():
+                self._step()
+        except BaseException:
+            logger.critical("the engine thread ended: the server answers 503 from now on", exc_info=True)
+            self._call_in_loop(self._fail_all, Unavailable("the engine thread ended on an error"))
+            raise
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            self._recover(error)
+            return
+        self.metrics.observe_step(self.engine)
+        for output in outputs:
+            if output.finished:
+                reason = "error" if output.request_id in self._failed else None
+                self._failed.discard(output.request_id)
+                self.metrics.observe_finished(output, self._arrivals.pop(output.request_id, None), reason)
+        if outputs:
+            self._call_in_loop(self._dispatch, outputs)
+
+    def _next_step(self) -> bool:
+        """Sleeps until there is work; False once stopping with nothing left to run."""
+        with self._cond:
+            while not (self._work or self._stopping or self.engine.has_unfinished()):
+                self._idle = True
+                self._cond.notify_all()
+                self._cond.wait()
+            self._idle = False
+            self._work = False
+            return not self._stopping or self.engine.has_unfinished()
+
+    def _recover(self, error: Exception) -> None:
+        """After a step raised (the engine has requeued every unfinished request): the requests it had
+        admitted fail and are aborted; the ones still waiting to start are served."""
+        logger.exception("an engine step failed: its requests get an error, the engine serves on")
+        admitted = [r.request_id for r in self.engine.scheduler.waiting if r.status is not RequestStatus.WAITING]
+        failed = list(dict.fromkeys(admitted))
+        for request_id in failed:
+            self._failed.add(request_id)
+            self.engine.abort(request_id)
+        failure = StepFailed(f"an engine step failed: {type(error).__name__}: {error}")
+        self._call_in_loop(self._fail_requests, failed, failure)
+
+    def _call_in_loop(self, callback: object, *args: object) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(callback, *args)  # type: ignore[arg-type]
+        except RuntimeError:  # the loop closed in between
+            pass
