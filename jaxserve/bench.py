@@ -70,6 +70,17 @@ class TokenIdTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
 
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, chat_template: Any = None) -> Any:
+        raise ValueError("a conversation needs a tokenizer with a chat template, and this model has none")
+
+
+class IdTextTokenizer(TokenIdTokenizer):
+    """A `TokenIdTokenizer` whose text is the ids themselves (" 17 42 ..."): what `jaxserve serve
+    --random-weights` streams, so a load test sees text arrive as it would with a real vocabulary."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f" {i}" for i in ids)
+
 
 def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
     """A model of a known shape (`models.shapes`) with random weights; dtype "auto" as `LLM` resolves it.

@@ -425,6 +425,7 @@ def _add_serve_parser(commands: Any) -> None:
     from jaxserve.config import LOGPROBS_MODES
     from jaxserve.server.config import DEFAULT_MAX_REQUEST_BYTES
     from models.hub import DEFAULT_MODEL
+    from models.shapes import SHAPES
 
     parser = commands.add_parser(
         "serve",
@@ -438,6 +439,13 @@ def _add_serve_parser(commands: Any) -> None:
         nargs="?",
         default=DEFAULT_MODEL,
         help=f"model name, HF directory, GGUF file, orbax directory or hub id (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--random-weights",
+        metavar="NAME",
+        choices=list(SHAPES),
+        help=f"serve random weights of a known shape instead of MODEL ({', '.join(SHAPES)}), to load-test a "
+        "model size without its checkpoint: prompts are token ids, and the text of a completion is its ids",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
@@ -488,14 +496,32 @@ def _add_serve_parser(commands: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> None:
     """Builds the engine, serves until SIGINT / SIGTERM, frees the engine."""
-    from jaxserve import capacity
-    from jaxserve.llm import LLM
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.launch import serve
 
+    llm, name = served_llm(args)
+    config = ServerConfig(args.served_model_name or name, args.api_key, args.max_request_bytes)
+    try:
+        serve(llm, args.host, args.port, config)
+    finally:
+        llm.close()
+
+
+def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
+    """The LLM `jaxserve serve` serves, and the model's name (what clients send unless --served-model-name)."""
+    from jaxserve import capacity
+    from jaxserve.llm import LLM
+
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
+    model, tokenizer, name = args.model, None, args.model
+    if args.random_weights is not None:
+        from jaxserve import bench
+
+        model, tokenizer = bench.random_model(args.random_weights, args.dtype), bench.IdTextTokenizer()
+        name = args.random_weights
     llm = LLM(
-        args.model,
+        model,
+        tokenizer=tokenizer,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
@@ -506,11 +532,7 @@ def run_serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         show_progress=args.verbose,
     )
-    config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_request_bytes)
-    try:
-        serve(llm, args.host, args.port, config)
-    finally:
-        llm.close()
+    return llm, name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -518,7 +540,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         _validate_bench(args)
-    elif args.command != "serve":
+    elif args.command == "serve":
+        from models.hub import DEFAULT_MODEL
+
+        if args.random_weights is not None and args.model != DEFAULT_MODEL:
+            parser.error(f"give MODEL or --random-weights, not both (got {args.model!r} and {args.random_weights!r})")
+    else:
         _validate(args, parser)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -180,7 +180,10 @@ class OpenAIServer:
             raise bad_request("give exactly one of 'prompt' (a string) and 'messages' (a conversation)", "prompt")
         if body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=add_special) if body.prompt else []
+            try:
+                ids = self.tokenizer.encode(body.prompt, add_special_tokens=add_special) if body.prompt else []
+            except ValueError as error:  # e.g. a model without a tokenizer
+                raise bad_request(str(error), "prompt") from None
         else:
             try:
                 ids = self.tokenizer.apply_chat_template(

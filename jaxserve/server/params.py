@@ -161,7 +161,10 @@ def _completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> lis
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = tokenizer.encode(item, add_special_tokens=request.add_special_tokens) if item else []
+            try:
+                ids = tokenizer.encode(item, add_special_tokens=request.add_special_tokens) if item else []
+            except ValueError as error:  # e.g. a model without a tokenizer takes token ids only
+                raise bad_request(str(error), "prompt") from None
             text: str | None = item
         else:
             ids, text = list(item), None

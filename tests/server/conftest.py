@@ -119,3 +119,17 @@ def client(served) -> Any:
 def model(served) -> str:
     """The served model name, which requests send as `model`."""
     return served.model
+
+
+@pytest.fixture
+def serve_llm() -> Iterator[Any]:
+    """Starts a server over an LLM for one test (`serve_llm(llm, config)` -> RunningServer); stopped after it."""
+    started: list[tuple[RunningServer, threading.Thread]] = []
+
+    def start(llm: LLM, config: ServerConfig) -> RunningServer:
+        started.append(start_server(llm, config))
+        return started[-1][0]
+
+    yield start
+    for running, thread in started:
+        stop_server(running, thread)
