@@ -236,6 +236,14 @@ def _add_engine_options(
         metavar="N",
         help="devices the model is split over (default: 1)",
     )
+    group.add_argument(
+        "--data-parallel-size",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="replicas of the model, each on its own tensor-parallel-size devices, sharing the requests by "
+        "load (default: 1)",
+    )
     group.add_argument("--max-batch-size", type=positive, metavar="N", help=max_batch_size_help)
     group.add_argument("--max-num-tokens", type=positive, metavar="N", help="tokens per step (default: 8192)")
     group.add_argument("--max-seq-len", type=_int_at_least(2), metavar="N", help=max_seq_len_help)
@@ -415,6 +423,7 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
         ),
         "attention_backend": args.attention_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
     }
 
 
@@ -512,6 +521,11 @@ def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
     from jaxserve import capacity
     from jaxserve.llm import LLM
 
+    if args.data_parallel_size > 1:  # the server's engine thread drives one engine
+        raise ValueError(
+            f"--data-parallel-size {args.data_parallel_size}: the server does not support data parallelism yet "
+            "(one engine serves; bench and the LLM API do): leave it at 1"
+        )
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
     model, tokenizer, name = args.model, None, args.model
     if args.random_weights is not None:

@@ -6,15 +6,21 @@ Every call drives the same engine: each step's outputs go to the mailbox of the 
 to, so `generate` calls and several `stream` iterators can be consumed in any order from one thread.
 A call that raises (a bad prompt, a KeyboardInterrupt) aborts the requests it added; a stream that is
 closed or dropped aborts its request, whose KV blocks are freed at once.
+
+Data parallelism: `data_parallel_size` engines (replicas), each on its own devices with its own KV pool,
+scheduler and prefix cache. A new request goes to the replica with the fewest unfinished sequences (ties:
+the lowest index); each step of the loop steps every replica with work, and since a step only dispatches
+the device work before reading back the previous one's tokens, the replicas' devices run at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import numbers
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +35,7 @@ from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
 from jaxserve.tokenizer import Tokenizer, validate_conversations
 from models.hub import DEFAULT_MODEL
 from models.loader import LoadedModel, load_from_pytree, load_model
-from sharding.mesh import MODEL_AXIS, make_mesh, serving_mesh
+from sharding.mesh import DATA_AXIS, MESH_AXES, MODEL_AXIS, make_mesh, serving_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +74,19 @@ class LLM:
         devices by the rules table, split over its tensor-parallel axis and replicated over every other
         axis. mesh_axes: which of its axes is the engine's "model" axis, e.g. {"model": "tp"} (None: the
         axis named "model"; {"model": None}: replicate on every device); see `sharding.mesh.serving_mesh`.
+    data_parallel_size: replicas of the model, each an `Engine` with its own KV pool (sized from its own
+        devices' memory), scheduler and prefix cache, fed by this LLM by load (see the module docstring).
+        Without a mesh, replica r serves on the devices [r * tp, (r + 1) * tp) of `jax.devices()`; with
+        one, on the r-th of data_parallel_size equal slices of its "data" axis (every axis but the
+        tensor-parallel one, as `serving_mesh` folds them), which it must divide. Replica r samples
+        unseeded requests with seed + r.
     logprobs_mode: "raw_logprobs" (default) or "processed_logprobs": what sampled tokens' logprobs are
         taken over (`EngineConfig.logprobs_mode`, vLLM's option of that name).
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
 
     `llm.model` is the model's description (family, config, Hugging Face config, sources) without its
-    weights: the engine holds the only copy it serves (`update_weights` replaces it).
+    weights: the engine holds the only copy it serves (`update_weights` replaces it). `llm.engines` are the
+    replicas' engines; `llm.engine` is the first.
     """
 
     def __init__(
@@ -90,6 +103,7 @@ class LLM:
         compile_config: CompileConfig | None = None,
         attention_backend: str = "auto",
         tensor_parallel_size: int | None = None,
+        data_parallel_size: int = 1,
         mesh: Mesh | None = None,
         mesh_axes: Mapping[str, str | None] | None = None,
         logprobs_mode: str = "raw_logprobs",
@@ -97,7 +111,8 @@ class LLM:
         show_progress: bool = True,
     ) -> None:
         _check_arguments(model, dtype, max_batch_size, tensor_parallel_size, seed, show_progress)
-        engine_mesh = _engine_mesh(mesh, mesh_axes, tensor_parallel_size)
+        _check_size("data_parallel_size", data_parallel_size)
+        replica_meshes = _replica_meshes(mesh, mesh_axes, tensor_parallel_size, data_parallel_size)
         capacity.raise_memory_fraction_default()
         if isinstance(model, LoadedModel):
             loaded = model
@@ -117,21 +132,28 @@ class LLM:
             dtype=dtype,
             logprobs_mode=logprobs_mode,
         )
-        self.engine = Engine(
-            loaded.family,
-            loaded.config,
-            loaded.weights,
-            self.tokenizer,
-            self.config,
-            mesh=engine_mesh,
-            seed=seed % SEED_MODULUS,
-            show_progress=show_progress,
-        )
+        self.engines = [
+            Engine(
+                loaded.family,
+                loaded.config,
+                loaded.weights,
+                self.tokenizer,
+                self.config,
+                mesh=replica_mesh,
+                seed=(seed + replica) % SEED_MODULUS,
+                show_progress=show_progress,
+            )
+            for replica, replica_mesh in enumerate(replica_meshes)
+        ]
+        self.engine = self.engines[0]
         # The engine serves its own copy of the weights (the serving layout); holding the checkpoint layout
         # too kept a second copy of every weight on the device for the LLM's lifetime.
         self.model = dataclasses.replace(loaded, weights=None)
         # The latest output of every request a call of this LLM is waiting for (None: none yet).
         self._mailboxes: dict[str, RequestOutput | None] = {}
+        self._owners: dict[str, Engine] = {}  # the replica serving each request not yet finished and taken
+        # With several replicas this LLM names the requests, so that ids are unique across them.
+        self._ids = itertools.count() if len(self.engines) > 1 else None
         self.weights_version = 0  # how many times update_weights replaced the weights
 
     @classmethod
@@ -172,7 +194,7 @@ class LLM:
         dropped. Refused (RuntimeError) while a request is unfinished: call it between `generate` calls.
         The old device buffers are freed layer by layer as the new ones are placed.
         """
-        self.engine.update_weights(params)
+        self._on_every_replica("update_weights", lambda engine: engine.update_weights(params))
         self.weights_version += 1
         return self.weights_version
 
@@ -180,17 +202,19 @@ class LLM:
         """Frees device memory between uses, e.g. for a trainer on the same device (vLLM's sleep mode):
         level 1 moves the weights to host memory and frees the KV pool, level 2 frees both (the next
         `update_weights` brings weights, before or after `wake_up`). Refused while a request is unfinished."""
-        self.engine.sleep(level)
+        self._on_every_replica("sleep", lambda engine: engine.sleep(level))
 
     def wake_up(self) -> None:
         """Takes the memory back (KV pool, and the weights level 1 kept on the host); nothing recompiles."""
-        self.engine.wake_up()
+        self._on_every_replica("wake_up", Engine.wake_up)
 
     def close(self) -> None:
         """Aborts what is unfinished and frees every device buffer of this LLM (`with LLM(...) as llm:`
         does it on leaving the block); the LLM serves no more. Another LLM can be built afterwards."""
-        self.engine.close()
+        for engine in self.engines:
+            engine.close()
         self._mailboxes.clear()
+        self._owners.clear()
 
     def __enter__(self) -> LLM:
         return self
@@ -200,8 +224,24 @@ class LLM:
 
     @property
     def step_stats(self) -> list[StepStats]:
-        """Per-step statistics: tokens, sequences, bucket, KV usage, preemptions, prefix hit rate."""
-        return list(self.engine.stats)
+        """Per-step statistics: tokens, sequences, bucket, KV usage, preemptions, prefix hit rate; with several
+        replicas, the steps of all of them in the order they were launched (each replica's own:
+        `llm.engines[r].stats`)."""
+        if len(self.engines) == 1:
+            return list(self.engine.stats)
+        return sorted((s for engine in self.engines for s in engine.stats), key=lambda s: s.launched_at)
+
+    def _on_every_replica(self, action: str, call: Callable[[Engine], None]) -> None:
+        """`call` on every replica; with several, refused first while any has unfinished work, so that a
+        refusal leaves every replica as it was (one engine refuses by itself)."""
+        if len(self.engines) > 1 and any(engine.has_unfinished() for engine in self.engines):
+            unfinished = sum(e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines)
+            raise RuntimeError(
+                f"{action} while {unfinished} requests are unfinished (or steps in flight) on the replicas: "
+                "let them finish or abort them first"
+            )
+        for engine in self.engines:
+            call(engine)
 
     def generate(
         self,
@@ -258,8 +298,12 @@ class LLM:
     # ---- the shared step loop -------------------------------------------------------------------
 
     def _add(self, prompt: Prompt, params: SamplingParams | None, stream: bool) -> str:
-        request_id = self.engine.add_request(prompt, params, stream=stream)
+        """Queues the request on the least loaded replica (the lowest index among equals)."""
+        engine = min(self.engines, key=lambda e: e.scheduler.num_waiting + e.scheduler.num_running)
+        name = None if self._ids is None else str(next(self._ids))
+        request_id = engine.add_request(prompt, params, name, stream=stream)
         self._mailboxes[request_id] = None
+        self._owners[request_id] = engine
         return request_id
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
@@ -278,14 +322,20 @@ class LLM:
         return ids
 
     def _pump(self) -> list[str]:
-        """One engine step; each output goes to its request's mailbox. Returns the ids that got one."""
-        if not self.engine.has_unfinished():
+        """One step of every replica with work; each output goes to its request's mailbox. Returns the ids
+        that got one."""
+        busy = [engine for engine in self.engines if engine.has_unfinished()]
+        if not busy:
             raise RuntimeError("the engine has nothing left to run, but a request of this LLM is unfinished")
+        return self._step(busy)
+
+    def _step(self, engines: list[Engine]) -> list[str]:
         delivered = []
-        for output in self.engine.step():
-            if output.request_id in self._mailboxes:  # else: aborted by its caller, nobody waits for it
-                self._mailboxes[output.request_id] = output
-                delivered.append(output.request_id)
+        for engine in engines:  # each step dispatches before it reads back: the replicas overlap
+            for output in engine.step():
+                if output.request_id in self._mailboxes:  # else: aborted by its caller, nobody waits for it
+                    self._mailboxes[output.request_id] = output
+                    delivered.append(output.request_id)
         return delivered
 
     def _take(self, request_id: str) -> RequestOutput | None:
@@ -295,6 +345,7 @@ class LLM:
             self._mailboxes[request_id] = None
             if output.finished:
                 del self._mailboxes[request_id]
+                self._owners.pop(request_id, None)
         return output
 
     def _finals(self, request_ids: list[str], on_finished: Any) -> list[RequestOutput]:
@@ -319,12 +370,15 @@ class LLM:
 
     def _abort(self, request_id: str) -> None:
         self._mailboxes.pop(request_id, None)
-        self.engine.abort(request_id)
+        engine = self._owners.pop(request_id, None)
+        if engine is not None:  # else: finished and delivered
+            engine.abort(request_id)
 
     def _drain(self) -> None:
-        """Reads back the step still in flight once no request runs, so the engine is idle between calls."""
-        while self.engine.has_unfinished() and not self.engine.scheduler.has_unfinished():
-            self._pump()
+        """Reads back the steps still in flight on the replicas where no request runs, so that they are idle
+        between calls."""
+        while idle := [e for e in self.engines if e.has_unfinished() and not e.scheduler.has_unfinished()]:
+            self._step(idle)
 
 
 class RequestStream(Iterator[RequestOutput]):
@@ -367,16 +421,20 @@ def _check_arguments(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     sizes = {"max_batch_size": max_batch_size, "tensor_parallel_size": tensor_parallel_size}
-    sizes = {name: value for name, value in sizes.items() if value is not None}  # None: the default
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
-        if value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value}")
+        if value is not None:  # None: the default
+            _check_size(name, value)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
     if not isinstance(show_progress, bool):
         raise TypeError(f"show_progress must be a bool, got {show_progress!r}")
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
 
 
 def _engine_mesh(mesh: Mesh | None, axes: Mapping[str, str | None] | None, tp: int | None) -> Mesh | None:
@@ -395,6 +453,35 @@ def _engine_mesh(mesh: Mesh | None, axes: Mapping[str, str | None] | None, tp: i
             "them equal"
         )
     return serving
+
+
+def _replica_meshes(
+    mesh: Mesh | None, axes: Mapping[str, str | None] | None, tp: int | None, dp: int
+) -> list[Mesh | None]:
+    """Each replica's mesh (see `LLM`'s data_parallel_size); one replica: `_engine_mesh`'s."""
+    engine_mesh = _engine_mesh(mesh, axes, tp)
+    if dp == 1:
+        return [engine_mesh]
+    if mesh is None:
+        tp, available = tp or 1, len(jax.devices())
+        if dp * tp > available:
+            raise ValueError(
+                f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} devices, but only {available} "
+                f"are available ({jax.default_backend()}): lower them, or on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * tp} before jax starts"
+            )
+        whole = make_mesh(tp=tp, dp=dp)
+    else:
+        whole = serving_mesh(mesh, axes)
+    rows = whole.shape[DATA_AXIS]
+    if rows % dp:
+        raise ValueError(
+            f"data_parallel_size={dp} must divide the mesh's data-parallel axis, {rows} groups of "
+            f"{whole.shape[MODEL_AXIS]} tensor-parallel devices (the mesh's axes: {dict(whole.shape)} once "
+            f"mapped by mesh_axes={axes})"
+        )
+    per_replica, grid = rows // dp, whole.devices
+    return [Mesh(grid[r * per_replica : (r + 1) * per_replica], MESH_AXES) for r in range(dp)]
 
 
 def _pure_params(params: Any) -> Any:
