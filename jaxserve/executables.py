@@ -12,10 +12,6 @@ executable (`jax.experimental.serialize_executable`) under a key made of everyth
 - the step's kind and its static arguments (the model config, the step table, dtype, backend, bucket,
   variant) and its abstract arguments (tree structure, shapes, dtypes, shardings).
 
-Executables loaded or compiled in this process are also kept in memory (per store directory, least
-recently used dropped past `MEMORY_BYTES` of serialized size), so a second engine in one process (a
-notebook cell run again, an lm-eval call per task, a test suite) takes them without deserializing.
-
 The store stands in for jax's persistent cache: the engine turns that one on only without the store,
 and while it is on the store saves nothing (see `jax_cache_on`). An entry that cannot be read or loaded
 is logged, removed and compiled again; an executable that cannot be serialized is not stored. The store
@@ -31,7 +27,6 @@ import logging
 import os
 import pickle
 import tempfile
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,10 +45,6 @@ LOWERING_OPTIONS = (
     "jax_numpy_rank_promotion",
 )
 FORMAT = 1  # bump when an entry's layout changes
-MEMORY_BYTES = 1 << 30  # serialized bytes of the executables kept in memory, over every store
-
-# (store directory, key) -> (executable, serialized size), least recently used first.
-_in_memory: OrderedDict[tuple[str, str], tuple[jax.stages.Compiled, int]] = OrderedDict()
 
 
 @functools.cache
@@ -128,15 +119,9 @@ class ExecutableStore:
     ) -> jax.stages.Compiled:
         """The stored executable for (kind, statics, args), else compile_fn()'s, which is then stored."""
         key = self.key(kind, statics, args)
-        memory_key = (str(self.directory), key)
-        if memory_key in _in_memory:
-            self.hits += 1
-            _in_memory.move_to_end(memory_key)
-            return _in_memory[memory_key][0]
         loaded = self._load(key)
         if loaded is not None:
             self.hits += 1
-            _remember(memory_key, loaded, self._path(key).stat().st_size)
             return loaded
         self.misses += 1
         compiled = compile_fn()
@@ -144,10 +129,8 @@ class ExecutableStore:
             if not self._warned:
                 logger.info("jax's persistent compilation cache is on: the step store loads but stores nothing")
                 self._warned = True
-            return compiled  # not kept in memory either: jax's cache already serves a second compile
-        size = self._save(key, compiled)
-        if size is not None:
-            _remember(memory_key, compiled, size)
+        else:
+            self._save(key, compiled)
         return compiled
 
     def _path(self, key: str) -> Path:
@@ -172,17 +155,16 @@ class ExecutableStore:
         os.utime(path)  # recently used: evicted last
         return compiled
 
-    def _save(self, key: str, compiled: jax.stages.Compiled) -> int | None:
-        """Stores the executable; returns its serialized size, or None when it cannot be serialized."""
+    def _save(self, key: str, compiled: jax.stages.Compiled) -> None:
         from jax.experimental import serialize_executable
 
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception as error:  # e.g. a backend without serialization, or closed-over constants
             logger.debug("executable not stored: %s: %s", type(error).__name__, error)
-            return None
+            return
         if len(blob) > self.max_bytes:
-            return len(blob)
+            return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as f:
@@ -191,7 +173,6 @@ class ExecutableStore:
             self._evict()
         except OSError:
             logger.warning("could not store an executable in %s", self.directory, exc_info=True)
-        return len(blob)
 
     def _evict(self) -> None:
         """Removes the least recently used entries until the store holds at most max_bytes."""
@@ -208,12 +189,3 @@ class ExecutableStore:
                 break
             path.unlink(missing_ok=True)
             total -= size
-
-
-def _remember(memory_key: tuple[str, str], compiled: jax.stages.Compiled, size: int) -> None:
-    """Keeps an executable in memory, dropping the least recently used past MEMORY_BYTES."""
-    _in_memory[memory_key] = (compiled, size)
-    total = sum(size for _, size in _in_memory.values())
-    while total > MEMORY_BYTES and len(_in_memory) > 1:
-        _, (_, dropped) = _in_memory.popitem(last=False)
-        total -= dropped

@@ -22,19 +22,6 @@ def _double_sum(x, y):
     return {"sum": (x * 2 + y).sum(), "scaled": x * 2}
 
 
-@pytest.fixture(autouse=True)
-def restart(monkeypatch):
-    """Each test starts as a new process would, with nothing in the in-memory layer; calling the fixture
-    forgets it again (a restart that reads what an earlier engine stored on disk)."""
-    from jaxserve import executables
-
-    def forget() -> None:
-        monkeypatch.setattr(executables, "_in_memory", type(executables._in_memory)())
-
-    forget()
-    return forget
-
-
 def _compile_fn(args, calls):
     def compile_fn():
         calls.append(1)
@@ -87,13 +74,12 @@ def test_a_changed_source_or_flag_is_a_different_key(tmp_path, monkeypatch):
     assert ExecutableStore(tmp_path, jax.devices()[:1]).key("f", "s", _args()) != base
 
 
-def test_an_unreadable_entry_is_logged_removed_and_compiled_again(tmp_path, caplog, restart):
+def test_an_unreadable_entry_is_logged_removed_and_compiled_again(tmp_path, caplog):
     calls = []
     store = ExecutableStore(tmp_path, jax.devices()[:1])
     store.get_or_compile("f", "s", _args(), _compile_fn(_args(), calls))
     [entry] = list(tmp_path.glob("*.exe"))
     entry.write_bytes(b"not a pickle")
-    restart()
     with caplog.at_level(logging.WARNING, logger="jaxserve.executables"):
         again = ExecutableStore(tmp_path, jax.devices()[:1]).get_or_compile(
             "f", "s", _args(), _compile_fn(_args(), calls)
@@ -101,34 +87,7 @@ def test_an_unreadable_entry_is_logged_removed_and_compiled_again(tmp_path, capl
     assert calls == [1, 1]
     assert "could not be loaded" in caplog.text
     assert float(again(jnp.ones(8), jnp.ones(8))["sum"]) == 24.0
-    restart()
     assert ExecutableStore(tmp_path, jax.devices()[:1]).get_or_compile("f", "s", _args(), lambda: None) is not None
-
-
-def test_a_second_store_in_the_process_takes_the_executable_from_memory(tmp_path):
-    calls = []
-    first = ExecutableStore(tmp_path / "a", jax.devices()[:1])
-    compiled = first.get_or_compile("f", "s", _args(), _compile_fn(_args(), calls))
-    for entry in (tmp_path / "a").glob("*.exe"):
-        entry.unlink()  # a disk read would miss now
-    second = ExecutableStore(tmp_path / "a", jax.devices()[:1])
-    assert second.get_or_compile("f", "s", _args(), _compile_fn(_args(), calls)) is compiled
-    assert (calls, second.hits, second.misses) == ([1], 1, 0)
-    other_directory = ExecutableStore(tmp_path / "b", jax.devices()[:1])  # its own entries, in memory too
-    assert other_directory.get_or_compile("f", "s", _args(), _compile_fn(_args(), calls)) is not compiled
-    assert calls == [1, 1]
-
-
-def test_the_memory_layer_keeps_under_its_size(tmp_path, monkeypatch):
-    from jaxserve import executables
-
-    calls = []
-    store = ExecutableStore(tmp_path, jax.devices()[:1])
-    store.get_or_compile("f", "a", _args(), _compile_fn(_args(), calls))
-    [(_, size)] = executables._in_memory.values()
-    monkeypatch.setattr(executables, "MEMORY_BYTES", int(size * 1.5))
-    store.get_or_compile("f", "b", _args(), _compile_fn(_args(), calls))
-    assert [key for _, key in executables._in_memory] == [store.key("f", "b", _args())]
 
 
 def test_the_store_keeps_under_its_size_removing_the_oldest(tmp_path):
@@ -146,7 +105,7 @@ def test_the_store_keeps_under_its_size_removing_the_oldest(tmp_path):
         ExecutableStore(tmp_path, jax.devices()[:1], max_bytes=-1)
 
 
-def test_an_engine_built_again_loads_every_step_and_generates_the_same_tokens(tmp_path, tiny_model, make_llm, restart):
+def test_an_engine_built_again_loads_every_step_and_generates_the_same_tokens(tmp_path, tiny_model, make_llm):
     model = tiny_model("llama")
     config = CompileConfig(
         decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False, cache_dir=str(tmp_path), lazy=False
@@ -155,7 +114,6 @@ def test_an_engine_built_again_loads_every_step_and_generates_the_same_tokens(tm
     params = SamplingParams(max_tokens=6, temperature=0.0)
     tokens = []
     for build in range(2):
-        restart()  # the second build reads the disk entries, as a new process would
         llm = make_llm(model, compile_config=config)
         store = llm.engine.runner.store
         expected = (0, llm.engine.runner.num_executables)  # (hits, misses); on CPU no capacity probe compiles
