@@ -521,11 +521,6 @@ def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
     from jaxserve import capacity
     from jaxserve.llm import LLM
 
-    if args.data_parallel_size > 1:  # the server's engine thread drives one engine
-        raise ValueError(
-            f"--data-parallel-size {args.data_parallel_size}: the server does not support data parallelism yet "
-            "(one engine serves; bench and the LLM API do): leave it at 1"
-        )
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
     model, tokenizer, name = args.model, None, args.model
     if args.random_weights is not None:

@@ -54,6 +54,12 @@ def default_max_batch_size() -> int:
     return 8 if jax.default_backend() == "cpu" else max(capacity.AUTO_BATCH_SIZES)
 
 
+def least_loaded(loads: Sequence[int]) -> int:
+    """The replica a new request goes to, given each replica's unfinished sequences: the fewest, the lowest
+    index among equals (the offline API's rule, and the server's)."""
+    return min(range(len(loads)), key=loads.__getitem__)
+
+
 class LLM:
     """Generate from a model with continuous batching over a paged KV cache.
 
@@ -299,7 +305,8 @@ class LLM:
 
     def _add(self, prompt: Prompt, params: SamplingParams | None, stream: bool) -> str:
         """Queues the request on the least loaded replica (the lowest index among equals)."""
-        engine = min(self.engines, key=lambda e: e.scheduler.num_waiting + e.scheduler.num_running)
+        loads = [e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines]
+        engine = self.engines[least_loaded(loads)]
         name = None if self._ids is None else str(next(self._ids))
         request_id = engine.add_request(prompt, params, name, stream=stream)
         self._mailboxes[request_id] = None

@@ -74,14 +74,17 @@ def test_every_serve_option_is_documented_and_building_the_parser_imports_no_ser
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_data_parallel_size_reaches_the_llm_keywords_and_serve_refuses_it(capsys):
+def test_data_parallel_size_reaches_the_llm_keywords_and_serve_checks_the_devices(capsys):
+    import jax
+
     from jaxserve.cli import _engine_keywords, build_parser
 
     args = build_parser().parse_args(["bench", "throughput", "--data-parallel-size", "2"])
     assert _engine_keywords(args)["data_parallel_size"] == 2
     assert _engine_keywords(build_parser().parse_args(["bench", "throughput"]))["data_parallel_size"] == 1
-    assert main(["serve", "--data-parallel-size", "2"]) == 1
-    assert "the server does not support data parallelism yet" in capsys.readouterr().err
+    # serve takes it (tests/server/test_data_parallel.py serves two replicas); too many is the LLM's error.
+    assert main(["serve", "--data-parallel-size", str(jax.device_count() + 1)]) == 1
+    assert "devices, but only" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--data-parallel-size", "0"])
     assert exit_info.value.code == 2

@@ -3,7 +3,7 @@
     protocol.py   request bodies (pydantic), with vLLM's field names and defaults
     params.py     request -> prompt token ids and SamplingParams, checked against the engine
     responses.py  RequestOutput -> response JSON: completions, chat, logprobs, usage, stream chunks
-    frontend.py   the async front end over one engine thread
+    frontend.py   the async front end: one engine thread over the data-parallel replicas
     metrics.py    the Prometheus metrics of one server
     config.py     ServerConfig: the served model name, the API key, the body size limit
     app.py        the FastAPI application: routes, authentication, errors

@@ -72,7 +72,7 @@ class EventStream(StreamingResponse):
 
 
 def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    """The application over `llm`'s engine; its lifespan starts and stops the engine thread."""
+    """The application over `llm`'s engines (its replicas); its lifespan starts and stops the engine thread."""
     server = OpenAIServer(llm, config)
 
     @asynccontextmanager
@@ -114,7 +114,7 @@ class OpenAIServer:
         self.limits = EngineLimits(
             llm.config.max_seq_len, llm.engine.vocab_size, steps.prompt_logprob_variants, steps.penalty_variants
         )
-        self.frontend = AsyncEngine(llm.engine, ServerMetrics(self.model_name))
+        self.frontend = AsyncEngine(llm.engines, ServerMetrics(self.model_name))
         self.model_source = llm.model.source
         self.created = int(time.time())
 

@@ -1,18 +1,27 @@
-"""The async front end: asyncio request handlers over one engine thread.
+"""The async front end: asyncio request handlers over one engine thread, which drives every replica.
 
     handler --Engine.submit / submit_abort (thread-safe inbox)--> engine thread: step() while anything runs
     engine thread --loop.call_soon_threadsafe(outputs)--> the RequestGroup of each output (asyncio)
 
-The engine thread sleeps on a condition while the engine has nothing to do (no busy loop) and is woken by
+Data parallelism: the engines are the LLM's replicas (`llm.engines`). A new request goes to the replica with
+the fewest unfinished sequences, the LLM's rule (`least_loaded`), counted here on the event loop thread from
+what was submitted and has not finished yet (a replica's scheduler does not see a submission before its next
+step, so its own counts would send a burst of requests to one replica); an abort goes to the replica that
+owns the request. The request ids are the server's, unique across replicas. Each round of the engine thread
+steps every replica with work: a step dispatches its device work before it reads back the previous one's
+tokens, so the replicas' devices run at once. The metrics are summed over the replicas (KV usage: averaged).
+
+The engine thread sleeps on a condition while no replica has anything to do (no busy loop) and is woken by
 every submission and abort. An HTTP request's prompts are one RequestGroup: its outputs are cumulative
 (the text so far), so the group keeps only the newest of each request and a slow reader gets one bigger
 delta instead of a queue. Closing a group before its requests finish (a client gone, a cancelled
 handler) aborts them; their blocks are freed at the next step.
 
 A step that raises does not end the thread: the engine recovers (its `_recover`), the requests it had
-admitted fail with a StepFailed error (a 500) and are aborted, and the engine serves on. `shut_down`
-stops accepting and fails what is in flight with Unavailable (a 503); `stop` drains and ends the thread.
-Should the thread itself end on an error, every request in flight fails with Unavailable too.
+admitted fail with a StepFailed error (a 500) and are aborted, and the engine serves on; the other replicas'
+requests are not touched. `shut_down` stops accepting and fails what is in flight with Unavailable (a 503);
+`stop` drains and ends the thread. Should the thread itself end on an error, every request in flight fails
+with Unavailable too.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
+from jaxserve.llm import least_loaded
 from jaxserve.request import RequestStatus
 from jaxserve.sampling import RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
@@ -103,14 +113,21 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    """One engine, stepped by one thread, shared by the asyncio handlers of one event loop."""
+    """The replicas' engines (one without data parallelism), stepped by one thread, shared by the asyncio
+    handlers of one event loop."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
-        self.engine = engine
+    def __init__(self, engines: Sequence[Engine], metrics: ServerMetrics) -> None:
+        if not engines:
+            raise ValueError("AsyncEngine needs at least one engine")
+        self.engines = list(engines)
         self.metrics = metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._groups: dict[str, RequestGroup] = {}  # request id -> its group (event loop thread only)
+        # Event loop thread only: each request's group; the replica serving each unfinished request and its
+        # sequences; each replica's unfinished sequences (what `least_loaded` balances).
+        self._groups: dict[str, RequestGroup] = {}
+        self._owners: dict[str, tuple[int, int]] = {}
+        self._loads = [0] * len(self.engines)
         self._arrivals: dict[str, float] = {}  # request id -> time.monotonic() it arrived
         self._failed: set[str] = set()  # ids failed by a step error: their final output counts as "error"
         self._cond = threading.Condition()
@@ -176,7 +193,10 @@ class AsyncEngine:
         for request, prompt in zip(ids, prompts, strict=True):
             self._groups[request] = group
             self._arrivals[request] = now
-            futures.append(self.engine.submit(prompt, params, request, stream=stream))
+            replica = least_loaded(self._loads)
+            self._owners[request] = (replica, params.n)
+            self._loads[replica] += params.n
+            futures.append(self.engines[replica].submit(prompt, params, request, stream=stream))
         self._wake()
         try:
             for index, future in enumerate(futures):
@@ -195,7 +215,9 @@ class AsyncEngine:
         for request_id in group.request_ids:
             self._groups.pop(request_id, None)
         for request_id in unfinished:
-            self.engine.submit_abort(request_id)
+            replica = self._disown(request_id)
+            if replica is not None:  # else: it finished, its final output not read yet
+                self.engines[replica].submit_abort(request_id)
         with self._cond:
             self._num_groups -= 1
             self._work = self._work or bool(unfinished)
@@ -206,8 +228,20 @@ class AsyncEngine:
             self._work = True
             self._cond.notify_all()
 
+    def _disown(self, request_id: str) -> int | None:
+        """Forgets which replica serves the request (its sequences leave that replica's load); that replica,
+        None if the request was already forgotten."""
+        owner = self._owners.pop(request_id, None)
+        if owner is None:
+            return None
+        replica, sequences = owner
+        self._loads[replica] -= sequences
+        return replica
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
+            if output.finished:
+                self._disown(output.request_id)
             group = self._groups.get(output.request_id)
             if group is not None:
                 group.deliver(output)
@@ -234,12 +268,16 @@ class AsyncEngine:
             raise
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as error:
-            self._recover(error)
-            return
-        self.metrics.observe_step(self.engine)
+        """One step of every replica with work; a replica whose step raises recovers alone."""
+        outputs: list[RequestOutput] = []
+        for engine in self.engines:
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs += engine.step()
+            except Exception as error:
+                self._recover(engine, error)
+        self.metrics.observe_step(self.engines)
         for output in outputs:
             if output.finished:
                 reason = "error" if output.request_id in self._failed else None
@@ -251,23 +289,26 @@ class AsyncEngine:
     def _next_step(self) -> bool:
         """Sleeps until there is work; False once stopping with nothing left to run."""
         with self._cond:
-            while not (self._work or self._stopping or self.engine.has_unfinished()):
+            while not (self._work or self._stopping or self._has_unfinished()):
                 self._idle = True
                 self._cond.notify_all()
                 self._cond.wait()
             self._idle = False
             self._work = False
-            return not self._stopping or self.engine.has_unfinished()
+            return not self._stopping or self._has_unfinished()
 
-    def _recover(self, error: Exception) -> None:
-        """After a step raised (the engine has requeued every unfinished request): the requests it had
+    def _has_unfinished(self) -> bool:
+        return any(engine.has_unfinished() for engine in self.engines)
+
+    def _recover(self, engine: Engine, error: Exception) -> None:
+        """After a step of `engine` raised (it has requeued every unfinished request): the requests it had
         admitted fail and are aborted; the ones still waiting to start are served."""
         logger.exception("an engine step failed: its requests get an error, the engine serves on")
-        admitted = [r.request_id for r in self.engine.scheduler.waiting if r.status is not RequestStatus.WAITING]
+        admitted = [r.request_id for r in engine.scheduler.waiting if r.status is not RequestStatus.WAITING]
         failed = list(dict.fromkeys(admitted))
         for request_id in failed:
             self._failed.add(request_id)
-            self.engine.abort(request_id)
+            engine.abort(request_id)
         failure = StepFailed(f"an engine step failed: {type(error).__name__}: {error}")
         self._call_in_loop(self._fail_requests, failed, failure)
 

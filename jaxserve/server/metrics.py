@@ -1,7 +1,9 @@
 """The Prometheus metrics of one server, in a registry of its own (not prometheus-client's global one, so
 servers built in one process do not share counters), named like vLLM's (`jaxserve:` for `vllm:`).
 
-The engine thread updates them: the gauges and the prefix-cache and preemption counters after every step,
+The engine thread updates them: the gauges and the prefix-cache and preemption counters after every step
+(with data parallelism, of all the replicas: summed, KV usage averaged, the prefix hit rate over their
+lookups together),
 the token counters, the finished-request counter and the latency histograms when a request finishes (its
 final output, whatever ended it: a disconnected client's request counts as "abort").
 """
@@ -9,6 +11,7 @@ final output, whatever ended it: a disconnected client's request counts as "abor
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -60,21 +63,27 @@ class ServerMetrics:
             "time_per_output_token_seconds", "Per request: (last token - first token) / (tokens - 1).", _TPOT_BUCKETS
         )
         self.latency = histogram("e2e_request_latency_seconds", "From arrival to the last token.", _LATENCY_BUCKETS)
-        self._seen = (0, 0, 0)  # the engine's cumulative (queried, hit, preemptions) already counted
+        # Each replica's cumulative (queried, hit, preemptions) already counted.
+        self._seen: dict[int, tuple[int, int, int]] = {}
 
-    def observe_step(self, engine: Engine) -> None:
-        """The engine's state after a step (called from the engine thread)."""
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        self.running.set(scheduler.num_running)
-        self.waiting.set(scheduler.num_waiting)
-        self.kv_usage.set(blocks.usage)
-        self.prefix_hit_rate.set(blocks.stats.hit_rate)
-        now = (blocks.stats.queried_tokens, blocks.stats.hit_tokens, scheduler.num_preemptions)
-        queried, hits, preemptions = (max(0, a - b) for a, b in zip(now, self._seen, strict=True))
-        self.prefix_queries.inc(queried)
-        self.prefix_hits.inc(hits)
-        self.preemptions.inc(preemptions)
-        self._seen = now
+    def observe_step(self, engines: Sequence[Engine]) -> None:
+        """The replicas' state after a round of steps (called from the engine thread)."""
+        schedulers, blocks = [e.scheduler for e in engines], [e.block_manager for e in engines]
+        self.running.set(sum(s.num_running for s in schedulers))
+        self.waiting.set(sum(s.num_waiting for s in schedulers))
+        self.kv_usage.set(sum(b.usage for b in blocks) / len(blocks))
+        queried_tokens = sum(b.stats.queried_tokens for b in blocks)
+        hit_tokens = sum(b.stats.hit_tokens for b in blocks)
+        self.prefix_hit_rate.set(hit_tokens / queried_tokens if queried_tokens else 0.0)
+        for replica, (scheduler, block_manager) in enumerate(zip(schedulers, blocks, strict=True)):
+            stats = block_manager.stats
+            now = (stats.queried_tokens, stats.hit_tokens, scheduler.num_preemptions)
+            seen = self._seen.get(replica, (0, 0, 0))
+            queried, hits, preemptions = (max(0, a - b) for a, b in zip(now, seen, strict=True))
+            self.prefix_queries.inc(queried)
+            self.prefix_hits.inc(hits)
+            self.preemptions.inc(preemptions)
+            self._seen[replica] = now
 
     def observe_finished(self, output: RequestOutput, arrival: float | None, reason: str | None = None) -> None:
         """A request's final output; arrival: when the server received it (time.monotonic), None: the
