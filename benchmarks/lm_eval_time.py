@@ -5,9 +5,10 @@
 
 The tasks are tests/integrations/test_lm_eval.py's (a local multiple-choice, a generate_until and a
 rolling-loglikelihood task, written to a temporary directory). Each backend runs `simple_evaluate` over
-all three --repeats times in this process; the first jaxserve run includes building the engine (compiling
-or loading its steps), later ones too (lm-eval builds its model per call). Prints seconds per run and the
-ratio of the best runs.
+all three --repeats times in this process, lm-eval building its model each time; the first jaxserve run
+includes building the engine (compiling or loading its steps), later ones take that engine again (the
+jaxserve model keeps the last one built with the same arguments). Prints seconds per run and the ratio of
+the best runs.
 """
 
 from __future__ import annotations

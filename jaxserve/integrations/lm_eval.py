@@ -22,6 +22,10 @@ package). An `LLM` built beforehand can be passed too: `simple_evaluate(model=Ja
   `do_sample` (then `temperature`, `top_p`, `top_k`, `seed` as given). Contexts longer than
   `max_length - max_gen_toks` are cut on the left, as lm-eval's other backends do.
 
+lm-eval builds its model anew for every `simple_evaluate`; a `JaxserveLM` built from the same model and
+keywords as the previous one takes that one's engine (one is kept: a different model closes it;
+`release_engine()` closes it too).
+
 Needs lm-eval (`pip install -e ".[eval]"`).
 """
 
@@ -88,7 +92,7 @@ class JaxserveLM(TemplateLM):
                 llm_kwargs["max_seq_len"] = max_length
             compile_config = llm_kwargs.pop("compile_config", None) or CompileConfig()
             compile_config = dataclasses.replace(compile_config, prompt_logprobs=True)
-            self.llm = LLM(pretrained, compile_config=compile_config, **llm_kwargs)
+            self.llm = _shared_llm(pretrained, compile_config=compile_config, **llm_kwargs)
         self.tokenizer = self.llm.tokenizer
         self._max_gen_toks = max_gen_toks
         self._add_bos_token = add_bos_token
@@ -199,6 +203,33 @@ class JaxserveLM(TemplateLM):
             sampling = {"temperature": 0.0}
         stop = [s for s in until if s]
         return SamplingParams(max_tokens=max_tokens, stop=stop, **sampling), max_tokens
+
+
+# The engine of the last JaxserveLM built from a model name and keywords: lm-eval builds its model anew for
+# every `simple_evaluate`, and a script or notebook that evaluates task after task would otherwise build
+# (load, lay out, and load its compiled steps for) the same engine each time.
+_last: tuple[tuple[str, str], LLM] | None = None
+
+
+def _shared_llm(pretrained: str | os.PathLike, **llm_kwargs: Any) -> LLM:
+    """The previous JaxserveLM's engine when it was built with the same model and keywords, else a new one
+    (the previous engine is closed: one is kept at most); see `release_engine`."""
+    global _last
+    key = (os.fspath(pretrained), repr(sorted(llm_kwargs.items())))
+    if _last is not None and _last[0] == key:
+        return _last[1]
+    release_engine()
+    llm = LLM(pretrained, **llm_kwargs)
+    _last = (key, llm)
+    return llm
+
+
+def release_engine() -> None:
+    """Closes the engine kept for the next `JaxserveLM` with the same arguments (its device memory freed)."""
+    global _last
+    if _last is not None:
+        _last[1].close()
+        _last = None
 
 
 def _continuation_score(output: RequestOutput, prompt: list[int], start: int) -> tuple[float, bool]:

@@ -154,3 +154,24 @@ def test_rolling_loglikelihood_matches_the_hf_model(evaluations):
     for metric in ("word_perplexity,none", "bits_per_byte,none"):
         expected = reference["results"]["tiny_ppl"][metric]
         assert ours["results"]["tiny_ppl"][metric] == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_model_built_again_with_the_same_arguments_takes_the_same_engine(tmp_path):
+    """lm-eval builds its model for every simple_evaluate: the same model and keywords take the previous
+    engine; other keywords close it and build another; release_engine closes the one kept."""
+    from jaxserve.integrations.lm_eval import JaxserveLM, release_engine
+
+    model_dir = _tiny_llama_dir(tmp_path)
+    first = JaxserveLM.create_from_arg_string(
+        f"pretrained={model_dir},dtype=float32,max_num_tokens=32,max_batch_size=4"
+    )
+    again = JaxserveLM.create_from_arg_string(
+        f"pretrained={model_dir},dtype=float32,max_num_tokens=32,max_batch_size=4"
+    )
+    assert again.llm is first.llm and not first.llm.engine.closed
+    other = JaxserveLM.create_from_arg_string(
+        f"pretrained={model_dir},dtype=float32,max_num_tokens=32,max_batch_size=2"
+    )
+    assert other.llm is not first.llm and first.llm.engine.closed
+    release_engine()
+    assert other.llm.engine.closed
