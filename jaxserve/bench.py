@@ -20,10 +20,11 @@ between the launches of consecutive decode-only steps: the steady decode step ti
 JSON (`to_json`): one object; a time's key ends in its unit (`_s`, `_ms`); floats are rounded to 6
 significant digits.
   both:       "benchmark" ("throughput" | "latency"),
-              "engine": {"model", "backend", "dtype", "tensor_parallel_size", "max_batch_size",
-                         "max_num_tokens", "max_seq_len", "kv_blocks", "kv_tokens", "kv_gib", "load_s",
-                         "init_s" (engine construction: profile, KV pool, compiling), "warmup_s" (of which
-                         compiling), "compiled_executables" (forwards and samplers)},
+              "engine": {"model", "backend", "dtype", "tensor_parallel_size", "data_parallel_size",
+                         "max_batch_size" (per replica), "max_num_tokens", "max_seq_len", "kv_blocks",
+                         "kv_tokens", "kv_gib" (over every replica), "load_s", "init_s" (engine
+                         construction: profile, KV pool, compiling), "warmup_s" (of which compiling),
+                         "compiled_executables" (forwards and samplers, over every replica)},
               "output_tok_per_s", "ttft_ms", "tpot_ms": {"mean", "p50", "p90", "p99"} (null without samples),
               "steps": {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms",
                         "peak_kv_usage" (a fraction of the pool), "num_preempted"}
@@ -205,6 +206,7 @@ class EngineSummary:
     backend: str
     dtype: str
     tensor_parallel_size: int
+    data_parallel_size: int
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
@@ -218,25 +220,26 @@ class EngineSummary:
 
 
 def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
+    """The engine's configuration and start-up; the KV pool, warmup and executables summed over replicas."""
     from sharding.mesh import MODEL_AXIS
 
-    engine, config = llm.engine, llm.config
-    budget, spec = engine.kv_budget, engine.runner.spec
+    engines, config, spec = llm.engines, llm.config, llm.engine.runner.spec
     return EngineSummary(
         model=llm.model.source,
         backend=spec.backend,
         dtype=np.dtype(spec.dtype).name,
-        tensor_parallel_size=int(engine.runner.mesh.shape[MODEL_AXIS]),
+        tensor_parallel_size=int(llm.engine.runner.mesh.shape[MODEL_AXIS]),
+        data_parallel_size=len(engines),
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
         max_seq_len=config.max_seq_len,
-        kv_blocks=budget.num_blocks,
-        kv_tokens=budget.tokens(config.kv_cache.block_size),
-        kv_gib=budget.num_blocks * budget.bytes_per_block / 2**30,
+        kv_blocks=sum(e.kv_budget.num_blocks for e in engines),
+        kv_tokens=sum(e.kv_budget.tokens(config.kv_cache.block_size) for e in engines),
+        kv_gib=sum(e.kv_budget.num_blocks * e.kv_budget.bytes_per_block for e in engines) / 2**30,
         load_s=load_s,
         init_s=init_s,
-        warmup_s=engine.warmup_seconds,
-        compiled_executables=engine.runner.num_executables,
+        warmup_s=sum(e.warmup_seconds for e in engines),
+        compiled_executables=sum(e.runner.num_executables for e in engines),
     )
 
 
@@ -426,7 +429,8 @@ def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
     size = f"{e.kv_gib:.2f} GiB" if e.kv_gib >= 1 else f"{e.kv_gib * 1024:.2f} MiB"
     return [
         f"jaxserve bench {kind}: {e.model}",
-        f"engine              {e.backend} backend, {e.dtype}, tensor parallel {e.tensor_parallel_size}; "
+        f"engine              {e.backend} backend, {e.dtype}, tensor parallel {e.tensor_parallel_size}, "
+        f"data parallel {e.data_parallel_size}; "
         f"max_batch_size {e.max_batch_size}, max_num_tokens {e.max_num_tokens}, max_seq_len {e.max_seq_len}",
         f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
         f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s)",

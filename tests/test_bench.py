@@ -29,6 +29,7 @@ ENGINE_KEYS = {
     "backend",
     "dtype",
     "tensor_parallel_size",
+    "data_parallel_size",
     "max_batch_size",
     "max_num_tokens",
     "max_seq_len",
@@ -262,7 +263,7 @@ def test_the_step_summary_takes_the_median_gap_between_decode_steps():
 
 
 def _engine() -> bench.EngineSummary:
-    return bench.EngineSummary("tiny", "xla", "float32", 1, 4, 32, 12, 5, 64, 0.0001, 1.0, 2.0, 1.5, 4)
+    return bench.EngineSummary("tiny", "xla", "float32", 1, 1, 4, 32, 12, 5, 64, 0.0001, 1.0, 2.0, 1.5, 4)
 
 
 def _percentiles(scale: float) -> bench.Percentiles:
@@ -364,6 +365,7 @@ def test_throughput_end_to_end_on_random_weights(capsys):
     assert (record["num_requests"], record["input_tokens"], record["output_tokens"]) == (6, 48, 24)
     engine = record["engine"]
     assert engine["model"] == "tiny-llama (random weights)" and engine["backend"] == "xla"
+    assert (engine["tensor_parallel_size"], engine["data_parallel_size"]) == (1, 1)
     assert (engine["max_batch_size"], engine["max_num_tokens"], engine["max_seq_len"]) == (4, 32, 12)
     # 4 forwards (decode 2, 4; tokens 16, 32) and a sampler per row count (2, 4) and mode (3)
     assert engine["compiled_executables"] == 4 + 2 * 3 and engine["kv_tokens"] >= 4 * 12

@@ -22,11 +22,12 @@ ENGINE_TESTS = Path(__file__).resolve().parents[1] / "engine"
 
 CHECK = textwrap.dedent(
     """
-    import json, sys
+    import dataclasses, json, sys
     sys.path.insert(0, {engine_tests!r})
     import jax, numpy as np
     from jax.sharding import Mesh
     from conftest import _make_llm, _tiny_model
+    from jaxserve import bench
     from jaxserve.dense import generate_dense
     from jaxserve.sampling import SamplingParams
 
@@ -71,6 +72,8 @@ CHECK = textwrap.dedent(
         devices=devices(llm), matches=tokens(llm) == expected, served=[len(s) for s in served], idle=idle(llm),
         unique_ids=len({{i for s in served for i in s}}) == sum(len(s) for s in served),
         steps=[len(e.stats) for e in llm.engines], step_stats=len(llm.step_stats),
+        summary=dataclasses.asdict(bench.engine_summary(llm, 0.0, 0.0)),
+        replica_blocks=[e.kv_budget.num_blocks for e in llm.engines],
     )
 
     # Two streams, one per replica: closing the second aborts it; the first runs to the reference's tokens.
@@ -124,6 +127,9 @@ def test_dp2_gives_the_dense_tokens_on_every_request_spread_over_both_replicas(r
     assert dp2["served"] == [4, 4], "the batch was not spread evenly by load"
     assert dp2["unique_ids"] and dp2["idle"]
     assert all(n > 0 for n in dp2["steps"]) and dp2["step_stats"] == sum(dp2["steps"])
+    summary = dp2["summary"]  # what `jaxserve bench` reports: the pool over both replicas
+    assert (summary["data_parallel_size"], summary["tensor_parallel_size"]) == (2, 1)
+    assert summary["kv_blocks"] == sum(dp2["replica_blocks"])
 
 
 def test_dp2_streams_and_aborts_on_either_replica(results):
