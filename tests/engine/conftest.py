@@ -19,7 +19,7 @@ import pytest
 import transformers
 
 from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
-from jaxserve.inputs import SamplerMode
+from jaxserve.inputs import Bucket, SamplerMode, StepVariant
 from jaxserve.llm import LLM
 from jaxserve.runner import Runner
 from models import registry
@@ -205,6 +205,24 @@ def assert_engine_idle() -> Callable[[LLM], None]:
 @pytest.fixture(scope="session")
 def record_compiles() -> Callable[[], contextlib.AbstractContextManager[list[str]]]:
     return _record_compiles
+
+
+@pytest.fixture
+def record_runs(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[tuple[Bucket, StepVariant]]]:
+    """Calling it starts recording the (bucket, variant) of each Runner.run call into the list it returns."""
+
+    def start() -> list[tuple[Bucket, StepVariant]]:
+        ran: list[tuple[Bucket, StepVariant]] = []
+        original = Runner.run
+
+        def run(self, inputs, bucket, variant):
+            ran.append((bucket, variant))
+            return original(self, inputs, bucket, variant)
+
+        monkeypatch.setattr(Runner, "run", run)
+        return ran
+
+    return start
 
 
 @pytest.fixture

@@ -335,7 +335,7 @@ EVERY_VARIANT = CompileConfig(
 
 
 def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
-    monkeypatch, tiny_model, make_llm, assert_engine_idle
+    tiny_model, make_llm, assert_engine_idle, record_runs
 ):
     """Warmup compiles exactly StepConfig.forwards() and samplers(); every step the engine runs, whatever
     its requests ask for, is one of the steps they serve (Runner.run refuses anything else, naming it)."""
@@ -348,14 +348,8 @@ def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
     assert (
         runner.num_executables == len(steps.forwards()) + len(steps.samplers()) == 5 + 1 * 3 * 2
     )  # (decode 4, tokens 16, 32, 16 and 32 scoring); 4 rows x 3 modes x 2
-    ran: list[tuple[Bucket, StepVariant]] = []
     original = Runner.run
-
-    def run(self, inputs, bucket, variant):
-        ran.append((bucket, variant))
-        return original(self, inputs, bucket, variant)
-
-    monkeypatch.setattr(Runner, "run", run)
+    ran = record_runs()
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, VOCAB, int(rng.integers(2, 30))).tolist() for _ in range(8)]
     kinds = [

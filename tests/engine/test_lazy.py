@@ -14,7 +14,7 @@ import pytest
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
 from jaxserve.inputs import Bucket, SamplerMode, StepVariant, padding_inputs
-from jaxserve.runner import Runner, resolve_lazy
+from jaxserve.runner import resolve_lazy
 from jaxserve.sampling import SamplingParams
 
 VOCAB = 160
@@ -30,18 +30,6 @@ def prompts(seed: int, count: int = 10) -> list[list[int]]:
     return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
 
 
-def recorded_runs(monkeypatch) -> list[tuple[Bucket, StepVariant]]:
-    ran: list[tuple[Bucket, StepVariant]] = []
-    original = Runner.run
-
-    def run(self, inputs, bucket, variant):
-        ran.append((bucket, variant))
-        return original(self, inputs, bucket, variant)
-
-    monkeypatch.setattr(Runner, "run", run)
-    return ran
-
-
 def test_lazy_is_on_by_default_on_cpu_only_and_validated():
     assert resolve_lazy(None) is True  # these tests run on CPU
     assert resolve_lazy(False) is False and resolve_lazy(True) is True
@@ -54,14 +42,14 @@ def test_lazy_is_on_by_default_on_cpu_only_and_validated():
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
 def test_a_lazy_engine_compiles_steps_on_first_use_and_narrow_steps_match_dense(
-    model_type, monkeypatch, caplog, tiny_model, make_llm, assert_engine_idle
+    model_type, caplog, tiny_model, make_llm, assert_engine_idle, record_runs
 ):
     model = tiny_model(model_type)  # mistral: a sliding window of 8 below every width
     llm = make_llm(model, kv_tokens=160, compile_config=NARROW)  # a pool small enough to preempt
     runner, steps = llm.engine.runner, llm.engine.steps
     assert steps.buckets.kv_block_buckets == (1, 2, 3)
     assert runner.lazy and runner.num_executables == 0
-    ran = recorded_runs(monkeypatch)
+    ran = record_runs()
     batch = prompts(seed=1)
 
     with caplog.at_level(logging.INFO, logger="jaxserve.runner"):
