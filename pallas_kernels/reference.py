@@ -132,8 +132,8 @@ def _write(k_cache, v_cache, k_new, v_new, slot_mapping):
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if slot_mapping.shape[0] == 1:
         # XLA rewrites a one-row scatter as select(in bounds, dynamic-update-slice, cache), which XLA:CPU
-        # cannot run in place: every batch-1 decode step then copied the whole (donated) pool four times,
-        # seconds per step for a pool of a few GiB. The same row written twice stays a scatter, in place.
+        # cannot run in place: every batch-1 decode step then copied the (donated) K and V caches twice
+        # each, seconds per step for a pool of a few GiB. The same row written twice stays a scatter, in place.
         k_new, v_new, slot_mapping = (jnp.concatenate([x, x]) for x in (k_new, v_new, slot_mapping))
     flat = (num_blocks * block_size, num_kv_heads, head_dim)
     k_cache = k_cache.reshape(flat).at[slot_mapping].set(k_new).reshape(k_cache.shape)

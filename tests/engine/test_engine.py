@@ -312,8 +312,8 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
 
 def test_no_compiled_forward_copies_the_kv_pool(tiny_model, make_llm):
     """The pool is donated to every forward and updated in place: no compiled forward copies a buffer of
-    the pool's size, the one-row buckets included (XLA:CPU once copied the whole pool four times per
-    batch-1 decode step: seconds per token with a pool of a few GiB)."""
+    the pool's size, the one-row buckets included (XLA:CPU once copied the K and V caches twice each
+    per batch-1 decode step: seconds per token with a pool of a few GiB)."""
     config = CompileConfig(decode_batch_sizes=(1, 2), token_buckets=(1, 16), penalty_variants=False, lazy=False)
     llm = make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
     runner = llm.engine.runner
