@@ -474,6 +474,14 @@ def _add_serve_parser(commands: Any) -> None:
         metavar="N",
         help=f"larger request bodies get a 413 (default: {DEFAULT_MAX_REQUEST_BYTES})",
     )
+    server.add_argument(
+        "--stream-interval",
+        type=_int_at_least(1),
+        default=1,
+        metavar="N",
+        help="a stream sends its first token at once, then a chunk every N tokens (and the last one): "
+        "larger N costs the server less per token at many concurrent streams (default: 1)",
+    )
     engine = parser.add_argument_group("engine")
     _add_engine_options(
         engine,
@@ -509,7 +517,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from jaxserve.server.launch import serve
 
     llm, name = served_llm(args)
-    config = ServerConfig(args.served_model_name or name, args.api_key, args.max_request_bytes)
+    config = ServerConfig(args.served_model_name or name, args.api_key, args.max_request_bytes, args.stream_interval)
     try:
         serve(llm, args.host, args.port, config)
     finally:

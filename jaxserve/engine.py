@@ -158,12 +158,17 @@ class Engine:
         request_id: str | None = None,
         *,
         stream: bool = False,
+        stream_interval: int = 1,
     ) -> str:
         """Queues a prompt (text or token ids); raises ValueError on bad input. Returns the request id.
 
-        stream: `step` reports the request after every step that changes it, else only once finished.
+        stream: `step` reports the request after a step that gives it its first token, then after one that
+        brings stream_interval new tokens (over its n samples) since the last report, and once finished;
+        else only once finished (vLLM's stream interval: fewer, larger deltas cost a front end less).
         """
         self._check_serving()
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
         params = _checked_params(params, self.steps, len(self.tokenizer.eos_token_ids))
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
@@ -180,7 +185,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = frozenset(self.tokenizer.eos_token_ids)
         samples = make_requests(request_id, ids, params, eos_token_ids=eos, prompt=text)
-        self.outputs.add(request_id, text, ids, samples, stream=stream)
+        self.outputs.add(request_id, text, ids, samples, stream=stream, stream_interval=stream_interval)
         for request in samples:
             self.scheduler.add(request)
         if any(r.is_finished for r in samples):
@@ -284,6 +289,7 @@ class Engine:
         request_id: str | None = None,
         *,
         stream: bool = True,
+        stream_interval: int = 1,
     ) -> Future[str]:
         """Thread-safe `add_request`: applied at the engine's next step; the future holds the request id, or
         the error that refused the request. A future cancelled before that step adds nothing."""
@@ -292,7 +298,9 @@ class Engine:
         def add() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(self.add_request(prompt, params, request_id, stream=stream))
+                    future.set_result(
+                        self.add_request(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
+                    )
                 except Exception as error:
                     future.set_exception(error)
 

@@ -77,11 +77,17 @@ class _Group:
     # Position 0 and those before SamplingParams.prompt_logprobs_start have none; position p + 1 is
     # appended once the step computing position p is read.
     prompt_logprobs: list[PositionLogprobs | None] | None
-    stream: bool  # the caller wants every partial output, not only the final one
+    stream: bool  # the caller wants partial outputs, not only the final one ...
+    stream_interval: int = 1  # ... once this many new tokens (over the samples) are there, and the first one
+    reported_tokens: int = 0  # tokens in the last output built
 
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.request.output_token_ids) for s in self.samples)
 
 
 class OutputProcessor:
@@ -105,9 +111,11 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         samples: list[Request],
         stream: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         """Starts tracking a request's samples (they share its prompt and parameters); `stream`: the caller
-        wants an output after every step that changes it, else only the final one."""
+        wants an output after a step that changes it (after its first token, then once stream_interval more
+        tokens are there), else only the final one."""
         params = samples[0].sampling_params
         self._groups[request_id] = _Group(
             prompt=prompt,
@@ -119,12 +127,18 @@ class OutputProcessor:
             # Positions before the scored start are None (position 0 always is).
             prompt_logprobs=[None] * params.scored_prompt_start if params.scored_prompt_start is not None else None,
             stream=stream,
+            stream_interval=stream_interval,
         )
 
     def wants_output(self, request_id: str) -> bool:
-        """Whether a change of the request is reported now: it streams, or it has finished."""
+        """Whether a change of the request is reported now: it has finished, or it streams and this is its
+        first token or stream_interval tokens came since the last output."""
         group = self._groups[request_id]
-        return group.stream or group.finished
+        if group.finished or (group.stream and group.stream_interval == 1):
+            return True
+        if not group.stream:
+            return False
+        return group.reported_tokens == 0 or group.num_tokens - group.reported_tokens >= group.stream_interval
 
     def add_token(
         self,
@@ -181,6 +195,8 @@ class OutputProcessor:
     def output(self, request_id: str) -> RequestOutput:
         """The request's output now; a finished request is forgotten once its output is built."""
         group = self._groups[request_id]
+        if group.stream_interval > 1:
+            group.reported_tokens = group.num_tokens
         first = group.samples[0].request
         errors = [s.request.error for s in group.samples if s.request.error]
         output = RequestOutput(

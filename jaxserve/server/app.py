@@ -277,7 +277,9 @@ class OpenAIServer:
     async def _submit(self, inputs: EngineInputs, response_id: str, stream: bool) -> RequestGroup:
         request_id = f"{response_id}-{uuid.uuid4().hex[:8]}"  # unique even when clients reuse request_id
         try:
-            return await self.frontend.submit(inputs.prompts, inputs.params, request_id, stream=stream)
+            return await self.frontend.submit(
+                inputs.prompts, inputs.params, request_id, stream=stream, stream_interval=self.config.stream_interval
+            )
         except (ValueError, TypeError) as error:
             raise bad_request(str(error)) from None
         except Unavailable as error:

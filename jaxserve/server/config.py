@@ -12,11 +12,13 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """served_model_name: the name clients send as `model`; api_key: None serves without authentication;
-    max_request_bytes: larger request bodies get a 413."""
+    max_request_bytes: larger request bodies get a 413; stream_interval: a stream gets its first token at
+    once, then a chunk every stream_interval tokens (and the last one), as vLLM's --stream-interval."""
 
     served_model_name: str
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -26,3 +28,6 @@ class ServerConfig:
         size = self.max_request_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"max_request_bytes must be an int >= 1, got {size!r}")
+        interval = self.stream_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {interval!r}")

@@ -22,17 +22,23 @@ admitted fail with a StepFailed error (a 500) and are aborted, and the engine se
 requests are not touched. `shut_down` stops accepting and fails what is in flight with Unavailable (a 503);
 `stop` drains and ends the thread. Should the thread itself end on an error, every request in flight fails
 with Unavailable too.
+
+The GIL: the engine thread gives the GIL up several times a step (each dispatch, each wait for the device)
+and takes it back from the event loop thread, which is busy while many clients stream; while the engine
+thread runs, the switch interval is short (`jaxserve.gil`; restored by `stop`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
+from jaxserve import gil
 from jaxserve.llm import least_loaded
 from jaxserve.request import RequestStatus
 from jaxserve.sampling import RequestOutput, SamplingParams
@@ -123,6 +129,7 @@ class AsyncEngine:
         self.metrics = metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._gil = contextlib.ExitStack()  # the short GIL switch interval while the thread runs
         # Event loop thread only: each request's group; the replica serving each unfinished request and its
         # sequences; each replica's unfinished sequences (what `least_loaded` balances).
         self._groups: dict[str, RequestGroup] = {}
@@ -142,6 +149,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._gil.enter_context(gil.short_switch_interval())
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -165,6 +173,7 @@ class AsyncEngine:
             self._cond.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self._gil.close()
 
     def wait_idle(self, timeout: float) -> bool:
         """Blocks (in any thread but the engine's) until no group is open and the engine thread sleeps
@@ -175,11 +184,18 @@ class AsyncEngine:
     # ---- requests (event loop thread) ------------------------------------------------------------
 
     async def submit(
-        self, prompts: Sequence[list[int]], params: SamplingParams, request_id: str, *, stream: bool
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int = 1,
     ) -> RequestGroup:
         """Queues one engine request per prompt and waits until the engine took them in; a prompt the
         engine refuses raises its ValueError / TypeError (prefixed with "prompt i: " among several) and
-        withdraws the others. stream: every changed output is delivered, else only the final ones."""
+        withdraws the others. stream: changed outputs are delivered (the first token, then every
+        stream_interval tokens, and the final one), else only the final ones."""
         if not self.accepting:
             raise Unavailable("the server is shutting down")
         if not self.is_running:
@@ -196,7 +212,9 @@ class AsyncEngine:
             replica = least_loaded(self._loads)
             self._owners[request] = (replica, params.n)
             self._loads[replica] += params.n
-            futures.append(self.engines[replica].submit(prompt, params, request, stream=stream))
+            futures.append(
+                self.engines[replica].submit(prompt, params, request, stream=stream, stream_interval=stream_interval)
+            )
         self._wake()
         try:
             for index, future in enumerate(futures):

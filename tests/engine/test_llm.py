@@ -452,6 +452,31 @@ def test_steps_report_a_request_once_when_it_finishes_unless_it_streams(llm, ser
     assert [len(o.outputs[0].token_ids) for o in outputs if o.request_id == streamed] == [1, 2, 3, 4]
 
 
+
+def test_a_stream_interval_reports_the_first_token_then_every_n_tokens_and_the_end(llm, serves_after):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    every_third = engine.add_request(random_prompt(104, 20), params, stream=True, stream_interval=3)
+    two_samples = engine.add_request(
+        random_prompt(105, 20), SamplingParams(n=2, max_tokens=3, ignore_eos=True), stream=True, stream_interval=4
+    )
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+
+    counts = [len(o.outputs[0].token_ids) for o in outputs if o.request_id == every_third]
+    assert counts == [1, 4, 7, 10]
+    # The interval counts the tokens of all samples: a report after the first token, then none before four
+    # more (or the end, 3 + 3 tokens).
+    both = [sum(len(c.token_ids) for c in o.outputs) for o in outputs if o.request_id == two_samples]
+    assert both[0] >= 1 and both[-1] == 6 and len(both) >= 2
+    assert all(later - earlier >= 4 for earlier, later in zip(both, both[1:-1], strict=False))
+    final = llm.generate([random_prompt(104, 20)], params, use_tqdm=False)[0].outputs[0]
+    assert [o for o in outputs if o.request_id == every_third][-1].outputs[0].token_ids == final.token_ids
+    with pytest.raises(ValueError, match="stream_interval must be an int >= 1"):
+        engine.add_request(random_prompt(106, 20), params, stream=True, stream_interval=0)
+
+
 # ---- streaming and chat ----------------------------------------------------------------------
 
 

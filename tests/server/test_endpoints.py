@@ -4,9 +4,13 @@ lm-evaluation-harness's remote tokenizer reads) and the Prometheus metrics."""
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 
+import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.gil import SHORT_SWITCH_INTERVAL_S
 
 CONVERSATION = [{"role": "user", "content": "Hello!"}]
 
@@ -71,3 +75,10 @@ def test_metrics_are_prometheus_text_with_vllm_like_names(served, client, model)
         "jaxserve:e2e_request_latency_seconds",
     }
     assert expected <= names
+
+
+def test_the_gil_switch_interval_is_short_while_the_engine_thread_runs(served):
+    """The engine thread takes the GIL back from the streaming event loop several times a step; at CPython's
+    default 5 ms interval each can cost 5 ms (jaxserve.gil)."""
+    assert served.frontend.is_running
+    assert sys.getswitchinterval() == pytest.approx(SHORT_SWITCH_INTERVAL_S)

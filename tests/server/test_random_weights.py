@@ -24,7 +24,7 @@ def test_random_weights_serve_token_id_prompts_with_their_ids_as_text(serve_llm)
     expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, greedy, use_tqdm=False)]
     offline.close()
     llm, _ = served_llm(args)  # random weights of a fixed seed: the same model again
-    running = serve_llm(llm, ServerConfig(name, None, 1 << 20))
+    running = serve_llm(llm, ServerConfig(name, None, 1 << 20, stream_interval=3))
     client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
     for prompt, tokens in zip(PROMPTS, expected, strict=True):
         stream = client.completions.create(
@@ -32,12 +32,21 @@ def test_random_weights_serve_token_id_prompts_with_their_ids_as_text(serve_llm)
         )
         deltas = [chunk.choices[0].text for chunk in stream if chunk.choices and chunk.choices[0].text]
         assert deltas and "".join(deltas) == "".join(f" {t}" for t in tokens)
+        # --stream-interval 3: the first token at once, then 3 at a time, the rest with the end.
+        assert [len(delta.split()) for delta in deltas] == [1, 3, 2]
     for request in (
         lambda: client.completions.create(model=name, prompt="text", max_tokens=2),
         lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}]),
     ):
         with pytest.raises(openai.BadRequestError, match="tokenizer"):
             request()
+
+
+def test_a_stream_interval_below_one_is_refused():
+    with pytest.raises(ValueError, match="stream_interval must be an int >= 1"):
+        ServerConfig("m", stream_interval=0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--stream-interval", "0"])
 
 
 def test_random_weights_and_a_model_are_not_both_given(capsys):
