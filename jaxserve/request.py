@@ -21,11 +21,21 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
 
 from jaxserve.sampling import SEED_MODULUS, FinishReason, RequestMetrics, SamplingParams
 
 # Odd 32-bit constant (the golden ratio) spreading the seeds of a request's samples apart.
 _SAMPLE_SEED_STRIDE = 0x9E3779B9
+IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
+
+
+def sample_seed(seed: IntOrArray, index: IntOrArray) -> IntOrArray:
+    """The PRNG seed of sample `index` of a request seeded `seed` (in [0, 2**32)), in [0, 2**32): ints, or
+    int64 arrays of seeds and indices (make_step_inputs' rows) alike."""
+    return (seed + index * _SAMPLE_SEED_STRIDE) % SEED_MODULUS
 
 
 class RequestStatus(enum.Enum):
@@ -116,7 +126,7 @@ class Request:
         seed = self.sampling_params.seed
         if seed is None:
             return None
-        return (int(seed) + self.index * _SAMPLE_SEED_STRIDE) % SEED_MODULUS
+        return sample_seed(int(seed), self.index)
 
     def max_total_tokens(self, max_seq_len: int) -> int:
         """Tokens (prompt + output) this sequence may reach: prompt + max_tokens, at most max_seq_len."""
