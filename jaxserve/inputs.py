@@ -572,6 +572,8 @@ class BatchColumns:
 
     def per_row(self, values: list[Any], dtype: type[np.generic]) -> np.ndarray:
         """One value per distinct params (in `params` order) -> one per row."""
+        if len(values) == 1:
+            return np.full(self.param_index.shape, values[0], dtype=dtype)
         return np.array(values, dtype=dtype)[self.param_index]
 
 
@@ -636,7 +638,8 @@ def _fill_carried(inputs: StepInputs, columns: BatchColumns, previous: Scheduled
         return
     previous_rows = [] if previous is None else previous.rows
     previous_requests = [row.request for row in previous_rows]
-    waiting = [columns.requests[b] for b in pending.tolist()]
+    requests = columns.requests
+    waiting = requests if pending.size == len(requests) else [requests[b] for b in pending.tolist()]
     if waiting == previous_requests:  # steady decode: the previous step's rows, in order (compared by identity)
         sources = np.arange(len(waiting))
     else:
