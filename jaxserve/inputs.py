@@ -37,11 +37,11 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
-from jaxtyping import Bool, Float32, Int32, Int64, UInt32
+from jaxtyping import Bool, Float32, Int32, UInt32
 
 from jaxserve.block_manager import RESERVED_BLOCK
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.request import Request, sample_seed
+from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow
 
@@ -341,28 +341,26 @@ class StepConfig:
     def choose_variant(self, batch: ScheduledBatch, columns: BatchColumns) -> StepVariant:
         """The variant a batch needs: penalties or prompt logprobs when a row asks, and the cheapest
         sampler mode that is exact for every row (`columns`: the batch's, `BatchColumns.of`)."""
-        sampling = np.unique(columns.param_index[columns.samples]).tolist()  # others' logits are unused
-        params = [columns.params[i] for i in sampling]
-        penalties = any(has_penalty(p) for p in params)
-        prompt_logprobs = any(_scores_prompt(batch.rows[b]) for b in _scoring_candidates(columns))
-        return StepVariant(self.sampler_mode(params), penalties, prompt_logprobs)
+        sampling = columns.sampling[columns.samples]  # others' logits are unused
+        prompt_logprobs = any(_scores_prompt(batch.rows[b]) for b in np.flatnonzero(columns.sampling["scores"]))
+        return StepVariant(self._sampler_mode(sampling), bool(sampling["penalty"].any()), prompt_logprobs)
 
     def sampler_mode(self, params: list[SamplingParams]) -> SamplerMode:
         """GREEDY when every row is greedy and none wants top logprobs (the sampled token's own logprob,
         `logprobs=0` or `token_logprobs`, comes with every mode); CANDIDATES when every sampling row's
         filters fit NUM_CANDIDATES logits; else SORTED."""
-        sampling = [p for p in params if not p.is_greedy]
-        if not sampling and all(not p.logprobs for p in params):
-            return SamplerMode.GREEDY
-        if all(self._fits_candidates(p) for p in sampling):
-            return SamplerMode.CANDIDATES
-        return SamplerMode.SORTED
+        return self._sampler_mode(np.array([_record_values(p, None) for p in params], dtype=SAMPLING_RECORD))
 
-    def _fits_candidates(self, params: SamplingParams) -> bool:
-        top_k = params.top_k if params.top_k is not None and params.top_k < self.vocab_size else None
-        if top_k is None:
-            return params.top_p >= 1.0  # min-p alone needs only the maximum
-        return top_k <= NUM_CANDIDATES
+    def _sampler_mode(self, records: np.ndarray) -> SamplerMode:
+        """sampler_mode over rows' SAMPLING_RECORDs."""
+        sampling = records[~records["greedy"]]
+        if not sampling.size and not records["top_logprobs"].any():
+            return SamplerMode.GREEDY
+        top_k = sampling["top_k"]  # 0: no top-k; one of the vocabulary's size or more is none either
+        limited = (top_k > 0) & (top_k < self.vocab_size)
+        # Without a top-k, min-p alone needs only the maximum; a top-p below 1 needs the whole mass.
+        fits = np.where(limited, top_k <= NUM_CANDIDATES, ~sampling["partial_top_p"])
+        return SamplerMode.CANDIDATES if fits.all() else SamplerMode.SORTED
 
     def check_supported(self, params: SamplingParams, num_eos_tokens: int) -> None:
         """Raises a ValueError naming the knob when a request needs a variant this engine does not compile."""
@@ -532,15 +530,62 @@ def make_step_inputs(
     return inputs, bucket, variant
 
 
+# One request's sampling inputs (SamplingInputs' columns but generation_index) and the facts its step's
+# variant and banned ids read, as one record: packed once per request (`sampling_record`), so that a step
+# gathers its rows' records with one bytes join.
+SAMPLING_RECORD = np.dtype(
+    [
+        ("temperature", np.float32),
+        ("top_k", np.int32),
+        ("top_p", np.float32),
+        ("min_p", np.float32),
+        ("repetition_penalty", np.float32),
+        ("presence_penalty", np.float32),
+        ("frequency_penalty", np.float32),
+        ("seed", np.uint32),
+        ("has_seed", np.bool_),
+        ("min_tokens", np.int32),
+        ("greedy", np.bool_),
+        ("penalty", np.bool_),
+        ("top_logprobs", np.bool_),
+        ("partial_top_p", np.bool_),  # top_p < 1, compared in double precision as SamplingParams holds it
+        ("scores", np.bool_),  # asks for prompt logprobs (whether a chunk scores one is per row)
+    ]
+)
+
+
+def _record_values(params: SamplingParams, seed: int | None) -> tuple[Any, ...]:
+    return (
+        params.temperature,
+        params.top_k or 0,
+        params.top_p,
+        params.min_p,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+        seed or 0,
+        seed is not None,
+        params.min_tokens,
+        params.is_greedy,
+        has_penalty(params),
+        bool(params.logprobs),
+        params.top_p < 1.0,
+        params.scored_prompt_start is not None,
+    )
+
+
+def sampling_record(request: Request) -> bytes:
+    """The request's SAMPLING_RECORD, packed once and kept on the request."""
+    if request.sampling_record is None:
+        values = _record_values(request.sampling_params, request.seed)
+        request.sampling_record = np.array([values], dtype=SAMPLING_RECORD).tobytes()
+    return request.sampling_record
+
+
 @dataclass(frozen=True, slots=True)
 class BatchColumns:
     """What make_step_inputs reads from a batch's rows, read once per step (one pass of attribute reads
-    per column), so that every fill is numpy over rows.
-
-    params: the batch's distinct SamplingParams, by identity (the rows of one generate call share one);
-        param_index[b] is row b's entry. Per-row sampling values are one value per distinct params,
-        spread over the rows (`per_row`).
-    """
+    per column), so that every fill is numpy over rows. sampling: the rows' SAMPLING_RECORDs."""
 
     requests: list[Request]
     starts: Int32[np.ndarray, " B"]
@@ -548,17 +593,15 @@ class BatchColumns:
     generation_index: Int32[np.ndarray, " B"]
     samples: Bool[np.ndarray, " B"]
     input_pending: Bool[np.ndarray, " B"]
-    params: list[SamplingParams]
-    param_index: Int64[np.ndarray, " B"]
+    sampling: np.ndarray
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> BatchColumns:
         rows, n = batch.rows, len(batch.rows)
         requests = [row.request for row in rows]
-        row_params = [request.sampling_params for request in requests]
-        ids = list(map(id, row_params))
-        distinct = dict(zip(ids, row_params, strict=False))
-        index_of = dict(zip(distinct, range(len(distinct)), strict=False))
+        records = [request.sampling_record for request in requests]
+        if None in records:  # requests running for the first time
+            records = list(map(sampling_record, requests))
         return cls(
             requests=requests,
             starts=np.fromiter([row.start for row in rows], dtype=np.int32, count=n),
@@ -566,15 +609,8 @@ class BatchColumns:
             generation_index=np.fromiter([row.generation_index for row in rows], dtype=np.int32, count=n),
             samples=np.fromiter([row.samples for row in rows], dtype=np.bool_, count=n),
             input_pending=np.fromiter([row.input_pending for row in rows], dtype=np.bool_, count=n),
-            params=list(distinct.values()),
-            param_index=np.fromiter(map(index_of.__getitem__, ids), dtype=np.int64, count=n),
+            sampling=np.frombuffer(b"".join(records), dtype=SAMPLING_RECORD),
         )
-
-    def per_row(self, values: list[Any], dtype: type[np.generic]) -> np.ndarray:
-        """One value per distinct params (in `params` order) -> one per row."""
-        if len(values) == 1:
-            return np.full(self.param_index.shape, values[0], dtype=dtype)
-        return np.array(values, dtype=dtype)[self.param_index]
 
 
 def _fill_flat_batch(inputs: StepInputs, batch: ScheduledBatch, columns: BatchColumns, buckets: BucketTable) -> None:
@@ -659,8 +695,7 @@ def _fill_carried(inputs: StepInputs, columns: BatchColumns, previous: Scheduled
 
 def _fill_banned(inputs: StepInputs, columns: BatchColumns) -> None:
     """EOS and stop ids a row may not sample yet (min_tokens)."""
-    min_tokens = columns.per_row([p.min_tokens for p in columns.params], np.int32)
-    for b in np.flatnonzero(columns.generation_index < min_tokens).tolist():
+    for b in np.flatnonzero(columns.generation_index < columns.sampling["min_tokens"]).tolist():
         request = columns.requests[b]
         ids = [*request.eos_token_ids, *request.sampling_params.stop_token_ids][:MAX_BANNED_TOKENS]
         inputs.banned_tokens[b, : len(ids)] = ids
@@ -668,17 +703,10 @@ def _fill_banned(inputs: StepInputs, columns: BatchColumns) -> None:
 
 def _fill_sampling(sampling: SamplingInputs, columns: BatchColumns) -> None:
     """The rows' sampling parameters over the neutral padding."""
-    n, params = len(columns.requests), columns.params
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        getattr(sampling, name)[:n] = columns.per_row([getattr(p, name) for p in params], np.float32)
-    sampling.top_k[:n] = columns.per_row([p.top_k or 0 for p in params], np.int32)
-    sampling.generation_index[:n] = columns.generation_index
-    has_seed = columns.per_row([p.seed is not None for p in params], np.bool_)
-    if has_seed.any():
-        seeds = columns.per_row([p.seed or 0 for p in params], np.int64)
-        indices = np.array([request.index for request in columns.requests], dtype=np.int64)
-        sampling.seed[:n] = np.where(has_seed, sample_seed(seeds, indices), 0)
-        sampling.has_seed[:n] = has_seed
+    n = len(columns.requests)
+    for f in fields(sampling):
+        column = columns.generation_index if f.name == "generation_index" else columns.sampling[f.name]
+        getattr(sampling, f.name)[:n] = column
 
 
 def _fill_history(history: TokenHistory, columns: BatchColumns, carried_mask: np.ndarray) -> None:
@@ -707,18 +735,12 @@ def _scores_prompt(row: ScheduledRow) -> bool:
     return row.is_prefill and scored_start is not None and row.start + row.num_tokens >= scored_start
 
 
-def _scoring_candidates(columns: BatchColumns) -> list[int]:
-    """The rows whose parameters ask for prompt logprobs (whether their chunk scores one is per row)."""
-    asks = columns.per_row([p.scored_prompt_start is not None for p in columns.params], np.bool_)
-    return np.flatnonzero(asks).tolist()
-
-
 def _fill_prompt_targets(
     targets: np.ndarray, batch: ScheduledBatch, columns: BatchColumns, cu_q_lens: np.ndarray
 ) -> None:
     """For each flat token of a scoring row, the prompt token after it (the logprob of prompt position
     p + 1 is read at position p) when that position is scored; NO_TARGET elsewhere."""
-    for b in _scoring_candidates(columns):
+    for b in np.flatnonzero(columns.sampling["scores"]).tolist():
         row = batch.rows[b]
         if not row.is_prefill:
             continue

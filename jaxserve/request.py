@@ -21,21 +21,11 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
-
-import numpy as np
 
 from jaxserve.sampling import SEED_MODULUS, FinishReason, RequestMetrics, SamplingParams
 
 # Odd 32-bit constant (the golden ratio) spreading the seeds of a request's samples apart.
 _SAMPLE_SEED_STRIDE = 0x9E3779B9
-IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
-
-
-def sample_seed(seed: IntOrArray, index: IntOrArray) -> IntOrArray:
-    """The PRNG seed of sample `index` of a request seeded `seed` (in [0, 2**32)), in [0, 2**32): ints, or
-    int64 arrays of seeds and indices (make_step_inputs' rows) alike."""
-    return (seed + index * _SAMPLE_SEED_STRIDE) % SEED_MODULUS
 
 
 class RequestStatus(enum.Enum):
@@ -68,6 +58,8 @@ class Request:
     index / parent: sample index within the request's n samples; samples > 0 point at sample 0.
     block_ids / block_hashes: owned by the BlockManager; hashes of the full blocks computed so far.
     num_cached_tokens: prompt tokens served from the prefix cache (or a fork) at the last admission.
+    sampling_record: the request's per-row sampling inputs, packed by make_step_inputs the first time the
+        request runs (`inputs.sampling_record`): its parameters and seed never change.
     """
 
     request_id: str
@@ -89,6 +81,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    sampling_record: bytes | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -126,7 +119,7 @@ class Request:
         seed = self.sampling_params.seed
         if seed is None:
             return None
-        return sample_seed(int(seed), self.index)
+        return (int(seed) + self.index * _SAMPLE_SEED_STRIDE) % SEED_MODULUS
 
     def max_total_tokens(self, max_seq_len: int) -> int:
         """Tokens (prompt + output) this sequence may reach: prompt + max_tokens, at most max_seq_len."""
