@@ -1,6 +1,7 @@
 """Host time of `make_step_inputs` on a steady-decode batch: B decode rows with C-token contexts, each
 row's input pending (overlap: the previous step is the same batch), block tables a seeded permutation
-of the pool, as benchmarks/step_profile.py builds its decode step. No device, no jax.
+of the pool, as benchmarks/step_profile.py builds its decode step; each request holds its own copy of the
+SamplingParams, as in the engine. No device, no jax.
 
     python benchmarks/step_inputs.py --batch 1024 --context 192 [--temperature 0.8 --top-k 50 --seed 0]
     python benchmarks/step_inputs.py --batch 1024 --penalty 1.1     # the penalties variant (token history)
@@ -11,6 +12,7 @@ Prints the median, min and max milliseconds per call over --repeats rounds of --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -33,7 +35,8 @@ def decode_batch(steps: StepConfig, batch: int, context: int, params: SamplingPa
     rows = []
     for i in range(batch):
         prompt = rng.integers(1, VOCAB, context).tolist()
-        request = Request(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params)
+        # Each request its own copy of the parameters, as the engine's add_request validates them.
+        request = Request(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=dataclasses.replace(params))
         request.num_computed_tokens, request.num_pending_tokens = context + 1, 1
         request.block_ids = blocks[i].tolist()
         rows.append(
