@@ -41,6 +41,7 @@ from jaxtyping import Bool, Float32, Int32, UInt32
 
 from jaxserve.block_manager import RESERVED_BLOCK
 from jaxserve.config import CompileConfig, EngineConfig
+from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow
 
@@ -337,30 +338,29 @@ class StepConfig:
         scoring = self.prompt_logprob_variants and not bucket.decode_only
         return bucket, StepVariant(SamplerMode.SORTED, self.penalty_variants, scoring)
 
-    def choose_variant(self, batch: ScheduledBatch) -> StepVariant:
+    def choose_variant(self, batch: ScheduledBatch, columns: BatchColumns) -> StepVariant:
         """The variant a batch needs: penalties or prompt logprobs when a row asks, and the cheapest
-        sampler mode that is exact for every row."""
-        params = [row.request.sampling_params for row in batch.rows if row.samples]  # others' logits are unused
-        penalties = any(has_penalty(p) for p in params)
-        prompt_logprobs = any(_scores_prompt(row) for row in batch.rows)
-        return StepVariant(self.sampler_mode(params), penalties, prompt_logprobs)
+        sampler mode that is exact for every row (`columns`: the batch's, `BatchColumns.of`)."""
+        sampling = columns.sampling[columns.samples]  # others' logits are unused
+        prompt_logprobs = any(_scores_prompt(batch.rows[b]) for b in np.flatnonzero(columns.sampling["scores"]))
+        return StepVariant(self._sampler_mode(sampling), bool(sampling["penalty"].any()), prompt_logprobs)
 
     def sampler_mode(self, params: list[SamplingParams]) -> SamplerMode:
         """GREEDY when every row is greedy and none wants top logprobs (the sampled token's own logprob,
         `logprobs=0` or `token_logprobs`, comes with every mode); CANDIDATES when every sampling row's
         filters fit NUM_CANDIDATES logits; else SORTED."""
-        sampling = [p for p in params if not p.is_greedy]
-        if not sampling and all(not p.logprobs for p in params):
-            return SamplerMode.GREEDY
-        if all(self._fits_candidates(p) for p in sampling):
-            return SamplerMode.CANDIDATES
-        return SamplerMode.SORTED
+        return self._sampler_mode(np.array([_record_values(p, None) for p in params], dtype=SAMPLING_RECORD))
 
-    def _fits_candidates(self, params: SamplingParams) -> bool:
-        top_k = params.top_k if params.top_k is not None and params.top_k < self.vocab_size else None
-        if top_k is None:
-            return params.top_p >= 1.0  # min-p alone needs only the maximum
-        return top_k <= NUM_CANDIDATES
+    def _sampler_mode(self, records: np.ndarray) -> SamplerMode:
+        """sampler_mode over rows' SAMPLING_RECORDs."""
+        sampling = records[~records["greedy"]]
+        if not sampling.size and not records["top_logprobs"].any():
+            return SamplerMode.GREEDY
+        top_k = sampling["top_k"]  # 0: no top-k; one of the vocabulary's size or more is none either
+        limited = (top_k > 0) & (top_k < self.vocab_size)
+        # Without a top-k, min-p alone needs only the maximum; a top-p below 1 needs the whole mass.
+        fits = np.where(limited, top_k <= NUM_CANDIDATES, ~sampling["partial_top_p"])
+        return SamplerMode.CANDIDATES if fits.all() else SamplerMode.SORTED
 
     def check_supported(self, params: SamplingParams, num_eos_tokens: int) -> None:
         """Raises a ValueError naming the knob when a request needs a variant this engine does not compile."""
@@ -512,30 +512,110 @@ def make_step_inputs(
     """The one place a step's inputs are built: the batch's rows packed token-major into the smallest
     bucket that holds them, for the variant they need. `previous` is the step still in flight, whose
     samples are this step's pending input tokens."""
-    rows = batch.rows
-    if not rows:
+    if not batch.rows:
         raise ValueError("cannot build step inputs for an empty batch")
-    n = len(rows)
-    q_lens = np.fromiter((row.num_tokens for row in rows), dtype=np.int32, count=n)
-    max_kv_len = max(row.start + row.num_tokens for row in rows)
-    bucket = config.buckets.lookup(int(q_lens.sum()), n, batch.is_decode_only, max_kv_len)
-    variant = config.choose_variant(batch)
+    columns = BatchColumns.of(batch)
+    kv_lens = columns.starts + columns.q_lens
+    bucket = config.buckets.lookup(int(columns.q_lens.sum()), len(batch.rows), batch.is_decode_only, int(kv_lens.max()))
+    variant = config.choose_variant(batch, columns)
     inputs = padding_inputs(bucket, variant, config)
-    _fill_flat_batch(inputs, batch, q_lens, config.buckets)
-    _fill_carried(inputs, batch, previous)
-    _fill_banned(inputs, batch)
-    _fill_sampling(inputs.sampling, batch)
+    _fill_flat_batch(inputs, batch, columns, config.buckets)
+    _fill_carried(inputs, columns, previous)
+    _fill_banned(inputs, columns)
+    _fill_sampling(inputs.sampling, columns)
     if inputs.history is not None:
-        _fill_history(inputs.history, batch, inputs.carried_mask)
+        _fill_history(inputs.history, columns, inputs.carried_mask)
     if inputs.prompt_targets is not None:
-        _fill_prompt_targets(inputs.prompt_targets, batch)
+        _fill_prompt_targets(inputs.prompt_targets, batch, columns, inputs.cu_q_lens)
     return inputs, bucket, variant
 
 
-def _fill_flat_batch(inputs: StepInputs, batch: ScheduledBatch, q_lens: np.ndarray, buckets: BucketTable) -> None:
+# One request's sampling inputs (SamplingInputs' columns but generation_index) and the facts its step's
+# variant and banned ids read, as one record: packed once per request (`sampling_record`), so that a step
+# gathers its rows' records with one bytes join.
+SAMPLING_RECORD = np.dtype(
+    [
+        ("temperature", np.float32),
+        ("top_k", np.int32),
+        ("top_p", np.float32),
+        ("min_p", np.float32),
+        ("repetition_penalty", np.float32),
+        ("presence_penalty", np.float32),
+        ("frequency_penalty", np.float32),
+        ("seed", np.uint32),
+        ("has_seed", np.bool_),
+        ("min_tokens", np.int32),
+        ("greedy", np.bool_),
+        ("penalty", np.bool_),
+        ("top_logprobs", np.bool_),
+        ("partial_top_p", np.bool_),  # top_p < 1, compared in double precision as SamplingParams holds it
+        ("scores", np.bool_),  # asks for prompt logprobs (whether a chunk scores one is per row)
+    ]
+)
+
+
+def _record_values(params: SamplingParams, seed: int | None) -> tuple[Any, ...]:
+    return (
+        params.temperature,
+        params.top_k or 0,
+        params.top_p,
+        params.min_p,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+        seed or 0,
+        seed is not None,
+        params.min_tokens,
+        params.is_greedy,
+        has_penalty(params),
+        bool(params.logprobs),
+        params.top_p < 1.0,
+        params.scored_prompt_start is not None,
+    )
+
+
+def sampling_record(request: Request) -> bytes:
+    """The request's SAMPLING_RECORD, packed once and kept on the request."""
+    if request.sampling_record is None:
+        values = _record_values(request.sampling_params, request.seed)
+        request.sampling_record = np.array([values], dtype=SAMPLING_RECORD).tobytes()
+    return request.sampling_record
+
+
+@dataclass(frozen=True, slots=True)
+class BatchColumns:
+    """What make_step_inputs reads from a batch's rows, read once per step (one pass of attribute reads
+    per column), so that every fill is numpy over rows. sampling: the rows' SAMPLING_RECORDs."""
+
+    requests: list[Request]
+    starts: Int32[np.ndarray, " B"]
+    q_lens: Int32[np.ndarray, " B"]
+    generation_index: Int32[np.ndarray, " B"]
+    samples: Bool[np.ndarray, " B"]
+    input_pending: Bool[np.ndarray, " B"]
+    sampling: np.ndarray
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> BatchColumns:
+        rows, n = batch.rows, len(batch.rows)
+        requests = [row.request for row in rows]
+        records = [request.sampling_record for request in requests]
+        if None in records:  # requests running for the first time
+            records = list(map(sampling_record, requests))
+        return cls(
+            requests=requests,
+            starts=np.fromiter([row.start for row in rows], dtype=np.int32, count=n),
+            q_lens=np.fromiter([row.num_tokens for row in rows], dtype=np.int32, count=n),
+            generation_index=np.fromiter([row.generation_index for row in rows], dtype=np.int32, count=n),
+            samples=np.fromiter([row.samples for row in rows], dtype=np.bool_, count=n),
+            input_pending=np.fromiter([row.input_pending for row in rows], dtype=np.bool_, count=n),
+            sampling=np.frombuffer(b"".join(records), dtype=SAMPLING_RECORD),
+        )
+
+
+def _fill_flat_batch(inputs: StepInputs, batch: ScheduledBatch, columns: BatchColumns, buckets: BucketTable) -> None:
     """Tokens, positions, slots, sequence boundaries and block tables of the batch's rows."""
-    rows, n = batch.rows, len(batch.rows)
-    starts = np.fromiter((row.start for row in rows), dtype=np.int32, count=n)
+    q_lens, starts, n = columns.q_lens, columns.starts, len(columns.requests)
     num_real = int(q_lens.sum())
     inputs.cu_q_lens[1 : n + 1] = np.cumsum(q_lens)
     inputs.cu_q_lens[n + 1 :] = num_real
@@ -554,12 +634,13 @@ def _fill_flat_batch(inputs: StepInputs, batch: ScheduledBatch, q_lens: np.ndarr
 
 def _fill_token_ids(token_ids: np.ndarray, batch: ScheduledBatch, row_offsets: np.ndarray) -> None:
     """Host-known input tokens at their flat positions; pending ones (and padding) stay 0."""
-    rows = batch.rows
-    known = np.fromiter((len(row.token_ids) for row in rows), dtype=np.int32, count=len(rows))
-    flat = np.fromiter(itertools.chain.from_iterable(row.token_ids for row in rows), dtype=np.int32)
+    token_lists = [row.token_ids for row in batch.rows]
+    if not any(token_lists):
+        return  # decode rows whose inputs are all still on the device
+    known = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int32, count=int(known.sum()))
     known_offsets = np.cumsum(known) - known
-    destinations = np.repeat(row_offsets - known_offsets, known) + np.arange(flat.shape[0], dtype=np.int32)
-    token_ids[destinations] = flat
+    token_ids[np.repeat(row_offsets - known_offsets, known) + np.arange(flat.shape[0])] = flat
 
 
 def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndarray, buckets: BucketTable) -> None:
@@ -567,7 +648,8 @@ def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndar
     rows = batch.rows
     n = len(rows)
     needed = -(-kv_lens[:n] // buckets.block_size)
-    held = np.fromiter((len(row.block_ids) for row in rows), dtype=np.int64, count=n)
+    block_lists = [row.block_ids for row in rows]
+    held = np.fromiter(map(len, block_lists), dtype=np.int64, count=n)
     width = table.shape[1]
     short = np.flatnonzero((needed > width) | (needed > held))
     if short.size:
@@ -577,65 +659,74 @@ def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndar
             f"request {request.request_id}[{request.index}] needs {needed[i]} blocks for "
             f"{kv_lens[i]} tokens; it holds {held[i]}, a block table row {width}"
         )
-    counts = needed.tolist()
-    flat = np.fromiter(
-        itertools.chain.from_iterable(row.block_ids[:k] for row, k in zip(rows, counts, strict=True)), dtype=np.int32
+    if (held > needed).any():  # blocks beyond a row's kv_len (held for a later step) stay out
+        block_lists = [blocks[:k] for blocks, k in zip(block_lists, needed.tolist(), strict=True)]
+    # A boolean mask assigns in row-major order: each row's first `needed` columns, in list order.
+    table[:n][np.arange(width) < needed[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(needed.sum())
     )
-    starts = np.cumsum(needed) - needed
-    columns = np.arange(flat.shape[0]) - np.repeat(starts, needed)
-    table[np.repeat(np.arange(n), needed), columns] = flat
 
 
-def _fill_carried(inputs: StepInputs, batch: ScheduledBatch, previous: ScheduledBatch | None) -> None:
+def _fill_carried(inputs: StepInputs, columns: BatchColumns, previous: ScheduledBatch | None) -> None:
     """Which rows take their last input token from `previous`'s samples, and from which of its rows."""
-    sampling_rows = {} if previous is None else {id(r.request): i for i, r in enumerate(previous.rows) if r.samples}
-    for b, row in enumerate(batch.rows):
-        if not row.input_pending:
-            continue
-        source = sampling_rows.get(id(row.request))
-        if source is None:
-            raise ValueError(
-                f"request {row.request.request_id}[{row.request.index}] waits for a token the previous step "
-                "did not sample"
-            )
-        inputs.carried_mask[b] = True
-        inputs.carried_source[b] = source
+    pending = np.flatnonzero(columns.input_pending)
+    if not pending.size:
+        return
+    previous_rows = [] if previous is None else previous.rows
+    previous_requests = [row.request for row in previous_rows]
+    requests = columns.requests
+    waiting = requests if pending.size == len(requests) else [requests[b] for b in pending.tolist()]
+    if waiting == previous_requests:  # steady decode: the previous step's rows, in order (compared by identity)
+        sources = np.arange(len(waiting))
+    else:
+        row_of = dict(zip(previous_requests, range(len(previous_requests)), strict=False))
+        found = list(map(row_of.get, waiting))
+        sources = np.fromiter([-1 if s is None else s for s in found], dtype=np.int64, count=len(found))
+    sampled = np.fromiter([row.samples for row in previous_rows], dtype=np.bool_, count=len(previous_rows))
+    missing = np.flatnonzero(~np.append(sampled, False)[sources])  # source -1 (not a previous row) reads False
+    if missing.size:
+        request = waiting[missing[0]]
+        raise ValueError(
+            f"request {request.request_id}[{request.index}] waits for a token the previous step did not sample"
+        )
+    inputs.carried_mask[pending] = True
+    inputs.carried_source[pending] = sources
 
 
-def _fill_banned(inputs: StepInputs, batch: ScheduledBatch) -> None:
+def _fill_banned(inputs: StepInputs, columns: BatchColumns) -> None:
     """EOS and stop ids a row may not sample yet (min_tokens)."""
-    for b, row in enumerate(batch.rows):
-        params = row.request.sampling_params
-        if row.generation_index < params.min_tokens:
-            ids = [*row.request.eos_token_ids, *params.stop_token_ids][:MAX_BANNED_TOKENS]
-            inputs.banned_tokens[b, : len(ids)] = ids
+    for b in np.flatnonzero(columns.generation_index < columns.sampling["min_tokens"]).tolist():
+        request = columns.requests[b]
+        ids = [*request.eos_token_ids, *request.sampling_params.stop_token_ids][:MAX_BANNED_TOKENS]
+        inputs.banned_tokens[b, : len(ids)] = ids
 
 
-def _fill_sampling(sampling: SamplingInputs, batch: ScheduledBatch) -> None:
+def _fill_sampling(sampling: SamplingInputs, columns: BatchColumns) -> None:
     """The rows' sampling parameters over the neutral padding."""
-    n = len(batch.rows)
-    params = [row.request.sampling_params for row in batch.rows]
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        getattr(sampling, name)[:n] = [getattr(p, name) for p in params]
-    sampling.top_k[:n] = [p.top_k or 0 for p in params]
-    seeds = [row.request.seed for row in batch.rows]
-    sampling.seed[:n] = [s or 0 for s in seeds]
-    sampling.has_seed[:n] = [s is not None for s in seeds]
-    sampling.generation_index[:n] = [row.generation_index for row in batch.rows]
+    n = len(columns.requests)
+    for f in fields(sampling):
+        column = columns.generation_index if f.name == "generation_index" else columns.sampling[f.name]
+        getattr(sampling, f.name)[:n] = column
 
 
-def _fill_history(history: TokenHistory, batch: ScheduledBatch, carried_mask: np.ndarray) -> None:
+def _fill_history(history: TokenHistory, columns: BatchColumns, carried_mask: np.ndarray) -> None:
     """Each row's known prompt and output tokens; a carried (pending) one's column, filled on the device."""
-    history_len = history.token_ids.shape[1]
-    for b, row in enumerate(batch.rows):
-        if carried_mask[b]:
-            history.carried_column[b] = row.start + row.num_tokens - 1
-        request = row.request
-        known = request.token_ids[: min(row.start + row.num_tokens, len(request.token_ids))]
-        if len(known) > history_len:
-            raise ValueError(f"a token history of {history_len} cannot hold {len(known)} tokens")
-        history.token_ids[b, : len(known)] = known
-        history.num_prompt_tokens[b] = request.num_prompt_tokens
+    n, history_len = len(columns.requests), history.token_ids.shape[1]
+    token_lists = [request.token_ids for request in columns.requests]
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=n)
+    known = np.minimum(columns.starts + columns.q_lens, lengths)
+    too_long = np.flatnonzero(known > history_len)
+    if too_long.size:
+        raise ValueError(f"a token history of {history_len} cannot hold {known[too_long[0]]} tokens")
+    if (known < lengths).any():  # a prompt chunk: its later prompt tokens are not inputs yet
+        token_lists = [tokens[:k] for tokens, k in zip(token_lists, known.tolist(), strict=True)]
+    # A boolean mask assigns in row-major order: each row's first `known` columns, in list order.
+    history.token_ids[:n][np.arange(history_len) < known[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(token_lists), dtype=np.int32, count=int(known.sum())
+    )
+    history.num_prompt_tokens[:n] = [request.num_prompt_tokens for request in columns.requests]
+    last_input = columns.starts + columns.q_lens - 1
+    history.carried_column[:n] = np.where(carried_mask[:n], last_input, history.carried_column[:n])
 
 
 def _scores_prompt(row: ScheduledRow) -> bool:
@@ -644,18 +735,21 @@ def _scores_prompt(row: ScheduledRow) -> bool:
     return row.is_prefill and scored_start is not None and row.start + row.num_tokens >= scored_start
 
 
-def _fill_prompt_targets(targets: np.ndarray, batch: ScheduledBatch) -> None:
+def _fill_prompt_targets(
+    targets: np.ndarray, batch: ScheduledBatch, columns: BatchColumns, cu_q_lens: np.ndarray
+) -> None:
     """For each flat token of a scoring row, the prompt token after it (the logprob of prompt position
     p + 1 is read at position p) when that position is scored; NO_TARGET elsewhere."""
-    offset = 0
-    for row in batch.rows:
+    for b in np.flatnonzero(columns.sampling["scores"]).tolist():
+        row = batch.rows[b]
+        if not row.is_prefill:
+            continue
         request = row.request
         scored_start = request.sampling_params.scored_prompt_start
-        if row.is_prefill and scored_start is not None:
-            positions = np.arange(row.start, row.start + row.num_tokens)
-            follows = (positions + 1 < request.num_prompt_tokens) & (positions + 1 >= scored_start)
-            prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
-            targets[offset : offset + row.num_tokens] = np.where(
-                follows, prompt[np.minimum(positions + 1, len(prompt) - 1)], NO_TARGET
-            )
-        offset += row.num_tokens
+        positions = np.arange(row.start, row.start + row.num_tokens)
+        follows = (positions + 1 < request.num_prompt_tokens) & (positions + 1 >= scored_start)
+        prompt = np.asarray(request.prompt_token_ids, dtype=np.int32)
+        offset = int(cu_q_lens[b])
+        targets[offset : offset + row.num_tokens] = np.where(
+            follows, prompt[np.minimum(positions + 1, len(prompt) - 1)], NO_TARGET
+        )

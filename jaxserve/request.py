@@ -58,6 +58,8 @@ class Request:
     index / parent: sample index within the request's n samples; samples > 0 point at sample 0.
     block_ids / block_hashes: owned by the BlockManager; hashes of the full blocks computed so far.
     num_cached_tokens: prompt tokens served from the prefix cache (or a fork) at the last admission.
+    sampling_record: the request's per-row sampling inputs, packed by make_step_inputs the first time the
+        request runs (`inputs.sampling_record`): its parameters and seed never change.
     """
 
     request_id: str
@@ -79,6 +81,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    sampling_record: bytes | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -358,18 +358,18 @@ class Scheduler:
         prefill_rows: list[ScheduledRow] = []
         decode_rows: list[ScheduledRow] = []
         for request, num_tokens in plan.rows.items():
-            start = request.num_computed_tokens
-            end = start + num_tokens
-            known = len(request.token_ids)
+            # Request.num_tokens and num_output_tokens, read once per row (this loop runs over every row).
+            start, known = request.num_computed_tokens, len(request.token_ids)
+            end, total = start + num_tokens, known + request.num_pending_tokens
             row = ScheduledRow(
                 request=request,
                 start=start,
                 num_tokens=num_tokens,
-                token_ids=request.token_ids[start : min(end, known)],
+                token_ids=request.token_ids[start:end],  # up to the known ones
                 block_ids=request.block_ids,
-                samples=end == request.num_tokens,
+                samples=end == total,
                 input_pending=end > known,
-                generation_index=request.num_output_tokens,
+                generation_index=total - len(request.prompt_token_ids),
                 epoch=request.num_preemptions,
                 is_prefill=request.status is RequestStatus.PREFILL,
             )

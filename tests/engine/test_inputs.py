@@ -143,9 +143,9 @@ def test_a_narrow_step_holds_the_same_block_table_columns_as_a_full_one():
 # ---- step inputs --------------------------------------------------------------------------------
 
 
-def steps(max_batch_size=4, max_seq_len=32, history_len=None, **variants) -> StepConfig:
+def steps(max_batch_size=4, max_seq_len=32, history_len=None, max_num_tokens=16, **variants) -> StepConfig:
     """A StepConfig over `table`; history_len: a token-history width other than max_seq_len."""
-    buckets = table(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    buckets = table(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
     return StepConfig(buckets, vocab_size=VOCAB, max_seq_len=history_len or max_seq_len, **variants)
 
 
@@ -428,3 +428,131 @@ def _layout(inputs) -> list:
         else:
             layout += [(f"{f.name}.{name}", shape) for name, shape in _layout(value)]
     return layout
+
+
+# ---- the vectorised fill against a row-by-row construction --------------------------------------
+
+_RANDOM_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=3),
+    SamplingParams(temperature=0.7, min_p=0.05, n=2, seed=11),
+    SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[17, 19]),
+    SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.2),
+    SamplingParams(temperature=0.0, prompt_logprobs=1, prompt_logprobs_start=3),
+    SamplingParams(temperature=0.5, prompt_logprobs=0, logprobs=2),
+]
+
+
+def random_batch(rng: np.random.Generator, config: StepConfig) -> tuple[ScheduledBatch, ScheduledBatch]:
+    """Prefill chunks, decode rows with a known or a pending (carried) last input, and the previous step
+    that sampled the pending ones; block lists a random permutation, some holding a block more."""
+    bs = config.buckets.block_size
+    free_blocks = iter((1 + rng.permutation(400)).tolist())
+    prefill, decode, previous = [], [], []
+    for i in range(int(rng.integers(1, 9))):
+        params = _RANDOM_PARAMS[int(rng.integers(len(_RANDOM_PARAMS)))]
+        samples = make_requests(f"r{i}", rng.integers(1, VOCAB, int(rng.integers(2, 20))).tolist(), params)
+        request = samples[int(rng.integers(len(samples)))]
+        kind = rng.choice(["prefill", "known", "pending"])
+        if kind == "prefill":
+            request.token_ids += rng.integers(1, VOCAB, int(rng.integers(0, 3))).tolist()  # a recompute
+            start = bs * int(rng.integers(0, (len(request.token_ids) - 1) // bs + 1))
+            num_tokens = int(rng.integers(1, len(request.token_ids) - start + 1))
+            known_end = start + num_tokens
+        else:
+            request.token_ids += rng.integers(1, VOCAB, int(rng.integers(1, 6))).tolist()
+            start = len(request.token_ids) - (kind == "known")
+            num_tokens, known_end = 1, len(request.token_ids)
+        held = -(-(start + num_tokens) // bs) + int(rng.integers(0, 2))
+        scheduled = ScheduledRow(
+            request=request,
+            start=start,
+            num_tokens=num_tokens,
+            token_ids=request.token_ids[start:known_end],
+            block_ids=[next(free_blocks) for _ in range(held)],
+            samples=kind != "prefill" or known_end == len(request.token_ids),
+            input_pending=kind == "pending",
+            generation_index=int(rng.integers(0, 6)),
+            epoch=0,
+            is_prefill=kind == "prefill",
+        )
+        (prefill if kind == "prefill" else decode).append(scheduled)
+        if kind == "pending" or rng.random() < 0.3:
+            previous.append(dataclasses.replace(scheduled, start=start - 1, samples=kind == "pending"))
+    order = rng.permutation(len(previous)).tolist()
+    previous_batch = ScheduledBatch(rows=[previous[i] for i in order])
+    return ScheduledBatch(rows=prefill + decode, num_prefill_rows=len(prefill)), previous_batch
+
+
+def row_by_row_inputs(batch: ScheduledBatch, previous: ScheduledBatch, config: StepConfig, bucket, variant):
+    """The step's inputs filled one row and one token at a time, the plainest construction."""
+    expected = padding_inputs(bucket, variant, config)
+    bs, sampling, history = config.buckets.block_size, expected.sampling, expected.history
+    sources = {id(r.request): i for i, r in enumerate(previous.rows) if r.samples}
+    offset = 0
+    for b, scheduled in enumerate(batch.rows):
+        request, params = scheduled.request, scheduled.request.sampling_params
+        kv_len = scheduled.start + scheduled.num_tokens
+        expected.block_table[b, : -(-kv_len // bs)] = scheduled.block_ids[: -(-kv_len // bs)]
+        for j in range(scheduled.num_tokens):
+            position = scheduled.start + j
+            expected.positions[offset + j] = position
+            expected.slot_mapping[offset + j] = scheduled.block_ids[position // bs] * bs + position % bs
+            if j < len(scheduled.token_ids):
+                expected.token_ids[offset + j] = scheduled.token_ids[j]
+            scored = params.scored_prompt_start
+            if variant.prompt_logprobs and scheduled.is_prefill and scored is not None:
+                if scored <= position + 1 < request.num_prompt_tokens:
+                    expected.prompt_targets[offset + j] = request.prompt_token_ids[position + 1]
+        offset += scheduled.num_tokens
+        expected.cu_q_lens[b + 1] = offset
+        expected.kv_lens[b] = kv_len
+        expected.logits_indices[b] = offset - 1
+        if scheduled.input_pending:
+            expected.carried_mask[b] = True
+            expected.carried_source[b] = sources[id(request)]
+        if scheduled.generation_index < params.min_tokens:
+            banned = [*request.eos_token_ids, *params.stop_token_ids][:MAX_BANNED_TOKENS]
+            expected.banned_tokens[b, : len(banned)] = banned
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            getattr(sampling, name)[b] = getattr(params, name)
+        sampling.top_k[b] = params.top_k or 0
+        sampling.seed[b] = request.seed or 0
+        sampling.has_seed[b] = request.seed is not None
+        sampling.generation_index[b] = scheduled.generation_index
+        if history is not None:
+            known = request.token_ids[: min(kv_len, len(request.token_ids))]
+            history.token_ids[b, : len(known)] = known
+            history.num_prompt_tokens[b] = request.num_prompt_tokens
+            if scheduled.input_pending:
+                history.carried_column[b] = kv_len - 1
+    expected.cu_q_lens[len(batch.rows) + 1 :] = offset
+    expected.num_seqs[()] = len(batch.rows)
+    return expected
+
+
+def _leaves(inputs, prefix: str = "") -> dict[str, np.ndarray | None]:
+    leaves = {}
+    for f in dataclasses.fields(inputs):
+        value = getattr(inputs, f.name)
+        if value is None or isinstance(value, np.ndarray):
+            leaves[prefix + f.name] = value
+        else:
+            leaves.update(_leaves(value, f"{prefix}{f.name}."))
+    return leaves
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_step_inputs_equal_a_row_by_row_construction_on_random_batches(seed):
+    config = steps(max_batch_size=8, max_num_tokens=256, penalty_variants=True, prompt_logprob_variants=True)
+    batch, previous = random_batch(np.random.default_rng(seed), config)
+    inputs, bucket, variant = make_step_inputs(batch, previous, config)
+    expected = row_by_row_inputs(batch, previous, config, bucket, variant)
+    got, want = _leaves(inputs), _leaves(expected)
+    assert got.keys() == want.keys()
+    for name, array in want.items():
+        if array is None:
+            assert got[name] is None, name
+        else:
+            assert got[name].dtype == array.dtype, name
+            np.testing.assert_array_equal(got[name], array, err_msg=name)

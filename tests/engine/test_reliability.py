@@ -128,10 +128,10 @@ def test_a_request_whose_inputs_cannot_be_built_fails_alone(llm, alone, idle_aft
     poisoned = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, min_tokens=1)
     original = inputs._fill_banned
 
-    def fill_banned(step_inputs, batch):
-        if any(row.request.sampling_params.min_tokens == 1 for row in batch.rows):  # the poisoned one
+    def fill_banned(step_inputs, columns):
+        if any(request.sampling_params.min_tokens == 1 for request in columns.requests):  # the poisoned one
             raise OverflowError("Python int too large to convert to C int")
-        original(step_inputs, batch)
+        original(step_inputs, columns)
 
     monkeypatch.setattr(inputs, "_fill_banned", fill_banned)
     outputs = llm.generate(PROMPTS[:4], [GREEDY, poisoned, GREEDY, GREEDY], use_tqdm=False)
