@@ -82,7 +82,8 @@ class DistributedConfig:
             raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
         if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
             raise ValueError(
-                f"process_id must be in [0, num_processes - 1] = [0, {self.num_processes - 1}], got {self.process_id}"
+                f"process_id must be in [0, {self.num_processes - 1}] (num_processes={self.num_processes}), "
+                f"got {self.process_id}"
             )
         for name in timeouts:
             if getattr(self, name) < 1:
