@@ -233,9 +233,8 @@ def _add_engine_options(
     group.add_argument(
         "--tensor-parallel-size",
         type=positive,
-        default=1,
         metavar="N",
-        help="devices the model is split over (default: 1)",
+        help="devices the model is split over (default: 1; in a multi-host run, every device of every process)",
     )
     group.add_argument(
         "--data-parallel-size",

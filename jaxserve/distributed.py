@@ -11,8 +11,9 @@ the same inputs, so that the collectives inside the step meet. Only process 0 re
 process 0 closes its engine it sends "stop" and the followers return.
 
 The channel is the coordination service's key-value store (the gRPC service jax.distributed starts on
-process 0), not a device collective: a step's inputs are a few kB, which the store moves in about 0.5 ms
-on one machine where `multihost_utils.broadcast_one_to_all` (a psum over the processes) takes about 11 ms.
+process 0), not a device collective: on one machine the store moves 2 kB in about 0.5 ms where
+`multihost_utils.broadcast_one_to_all` (a psum over the processes) takes about 11 ms. A step's inputs are
+kB (the penalty variants add each row's token history, B x max_seq_len int32).
 
 A dead peer: a step in flight fails at once (the CPU collectives' connection is reset) and the engine
 refuses to go on; an idle process learns of it from the coordination service within the heartbeat
@@ -21,6 +22,7 @@ timeout, and jax ends it with a log line that names the process that stopped ans
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
@@ -38,8 +40,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # jax's default (100 s) leaves a server hanging that long on a dead peer
 _POLL_MS = 10_000  # a follower's wait for the next step, repeated while process 0 is idle
 # Process 0 keeps the last _KEPT_MESSAGES steps in the store. A step cannot complete before every follower
-# has run it (its collectives wait for them), and the engine reads each step's tokens at most two steps
-# after dispatching it, so a follower has always read a message long before it is deleted.
+# has run it (its collectives wait for them: the engine is split over every process's devices, `LLM`
+# refuses other layouts), and the engine reads each step's tokens at most two steps after dispatching it,
+# so a follower has always read a message long before it is deleted.
 _KEPT_MESSAGES = 16
 _STEP, _STOP = 0, 1
 
@@ -183,7 +186,7 @@ class StepChannel:
         client = jax._src.distributed.global_state.client  # the store multihost_utils uses too
         if client is None:
             raise RuntimeError("jax.distributed is not initialized: call jaxserve.distributed.initialize first")
-        self._client, self._name, self._count = client, name, 0
+        self._client, self._name, self._count, self._stopped = client, name, 0, False
         self._templates: dict[int, tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]] = {}
         self._indices: dict[tuple[Bucket, StepVariant], int] = {}
         self._steps: StepConfig | None = None
@@ -197,7 +200,9 @@ class StepChannel:
         self._send(_STEP, index, b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves))
 
     def send_stop(self) -> None:
-        self._send(_STOP, 0, b"")
+        if not self._stopped:
+            self._send(_STOP, 0, b"")
+            self._stopped = True
 
     def receive(self, steps: StepConfig) -> tuple[Bucket, StepVariant, StepInputs] | None:
         """The next step (None: process 0 stopped); waits for it as long as process 0 is alive."""
@@ -215,6 +220,8 @@ class StepChannel:
         return bucket, variant, jax.tree.unflatten(treedef, leaves)
 
     def _send(self, kind: int, index: int, payload: bytes) -> None:
+        if self._count == 0:  # a process 0 that exits without closing its engine still stops the followers
+            atexit.register(self.send_stop)
         header = np.array([kind, index], np.int32).tobytes()
         self._client.key_value_set_bytes(f"{self._name}/{self._count}", header + payload)
         if self._count >= _KEPT_MESSAGES:

@@ -120,7 +120,7 @@ class LLM:
         _check_size("data_parallel_size", data_parallel_size)
         capacity.raise_memory_fraction_default()  # before the meshes start jax's backend
         if jax.distributed.is_initialized() and jax.process_count() > 1:
-            tensor_parallel_size = _multiprocess_tp(tensor_parallel_size, data_parallel_size, mesh)
+            tensor_parallel_size = _multiprocess_tp(tensor_parallel_size, data_parallel_size, mesh, mesh_axes)
         replica_meshes = _replica_meshes(mesh, mesh_axes, tensor_parallel_size, data_parallel_size)
         if isinstance(model, LoadedModel):
             loaded = model
@@ -456,18 +456,20 @@ def _check_size(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value}")
 
 
-def _multiprocess_tp(tp: int | None, dp: int, mesh: Mesh | None) -> int | None:
-    """tensor_parallel_size in a multi-process run, where one engine spans every device of every process."""
+def _multiprocess_tp(tp: int | None, dp: int, mesh: Mesh | None, axes: Mapping[str, str | None] | None) -> int | None:
+    """tensor_parallel_size in a multi-process run, where one engine is split over every device of every
+    process (the followers keep pace with process 0 because every step's collectives span them all)."""
     count, processes = jax.device_count(), jax.process_count()
-    where = f"a run of {processes} processes ({count} devices in all) serves one engine over every device"
+    why = f"a run of {processes} processes serves one engine split over all their {count} devices"
     if dp != 1:
-        raise ValueError(f"data_parallel_size must be 1 in {where}, got {dp}")
+        raise ValueError(f"{why}: data_parallel_size must be 1, got {dp}")
     if mesh is not None:
-        if mesh.devices.size != count:
-            raise ValueError(f"the mesh has {mesh.devices.size} devices, but {where}: give a mesh over all of them")
+        size = serving_mesh(mesh, axes).shape[MODEL_AXIS]
+        if size != count:
+            raise ValueError(f"{why}: the mesh's tensor-parallel axis must hold all of them, it has {size}")
         return tp
     if tp is not None and tp != count:
-        raise ValueError(f"tensor_parallel_size must be {count} (or left out) in {where}, got {tp}")
+        raise ValueError(f"{why}: tensor_parallel_size must be {count} (or left out), got {tp}")
     return count
 
 
