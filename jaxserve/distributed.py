@@ -23,6 +23,7 @@ timeout, and jax ends it with a log line that names the process that stopped ans
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ _POLL_MS = 10_000  # a follower's wait for the next step, repeated while process
 # so a follower has always read a message long before it is deleted.
 _KEPT_MESSAGES = 16
 _STEP, _STOP = 0, 1
+_channel_numbers = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +184,14 @@ class StepChannel:
     in `StepConfig.compiled_steps()`) then the raw bytes of the StepInputs leaves; the receiver rebuilds
     them over `padding_inputs` of that step, the one declaration of their shapes and dtypes."""
 
-    def __init__(self, name: str = "jaxserve/steps") -> None:
+    def __init__(self) -> None:
         client = jax._src.distributed.global_state.client  # the store multihost_utils uses too
         if client is None:
             raise RuntimeError("jax.distributed is not initialized: call jaxserve.distributed.initialize first")
-        self._client, self._name, self._count, self._stopped = client, name, 0, False
+        # Every process builds its engines, and so their channels, in the same order: the n-th channel of
+        # each process has the same name, and a later engine's keys do not meet an earlier one's.
+        self._name = f"jaxserve/steps/{next(_channel_numbers)}"
+        self._client, self._count, self._stopped = client, 0, False
         self._templates: dict[int, tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]] = {}
         self._indices: dict[tuple[Bucket, StepVariant], int] = {}
         self._steps: StepConfig | None = None

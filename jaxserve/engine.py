@@ -115,8 +115,10 @@ class Engine:
             family, cfg, self.steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode
         )
         store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
-        # A multi-process run (jaxserve.distributed): every process builds this engine; process 0 sends its steps.
-        channel = distributed.StepChannel() if distributed.is_multiprocess() and distributed.is_leader() else None
+        # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends
+        # its steps, the others receive them (`LLM.follow`).
+        self.step_channel = distributed.StepChannel() if distributed.is_multiprocess() else None
+        channel = self.step_channel if distributed.is_leader() else None
         self.runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store, channel=channel)
         self.kv_budget = capacity.kv_budget(self.runner.profile(), config)
         if distributed.is_multiprocess():

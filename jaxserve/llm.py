@@ -227,10 +227,10 @@ class LLM:
     def follow(self) -> int:
         """On every process but process 0 of a multi-process run (`jaxserve.distributed`): runs the steps of
         process 0's engine until process 0 closes its LLM, then closes this one; returns the steps run."""
-        if distributed.is_leader():
+        if self.engine.step_channel is None or distributed.is_leader():
             raise RuntimeError("follow() is for the processes other than 0 of a multi-process run: process 0 serves")
         try:
-            return distributed.follow(self.engine.runner, distributed.StepChannel())
+            return distributed.follow(self.engine.runner, self.engine.step_channel)
         finally:
             self.close()
 
