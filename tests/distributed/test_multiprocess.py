@@ -1,6 +1,7 @@
 """Multi-process serving (`jaxserve.distributed`) with two processes on this machine, one CPU device each,
-tensor parallelism over both: the greedy tokens equal the dense reference's; killing either process ends
-the other with an error within a bounded time; `jaxserve serve` over two processes answers and stops.
+tensor parallelism over both: the greedy tokens equal the dense reference's, over the smaller of the two
+processes' KV pools; killing either process ends the other with an error within a bounded time; `jaxserve
+serve` over two processes answers and stops.
 
 Each process is a fresh interpreter (jax.distributed must start before jax does) that reports one JSON
 line on stdout.
@@ -37,7 +38,7 @@ SCRIPT = textwrap.dedent(
     distributed.initialize(f"127.0.0.1:{{port}}", 2, process_id, heartbeat_timeout_s={HEARTBEAT_S})
     import jax, jax.numpy as jnp, numpy as np
     from jaxserve import bench
-    from jaxserve.config import CompileConfig
+    from jaxserve.config import CompileConfig, KvCacheConfig
     from jaxserve.dense import generate_dense
     from jaxserve.llm import LLM
     from jaxserve.sampling import SamplingParams
@@ -53,9 +54,11 @@ SCRIPT = textwrap.dedent(
     weights = jax.tree.map(lambda w: (rng.standard_normal(w.shape) * 0.2).astype(w.dtype), shaped)
     model = LoadedModel(family, cfg, weights, hf_config, None, "random weights")
     compile_config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False)
+    # Process 1 holds a smaller pool (20 blocks and the reserved one, against 33): both serve that one.
+    kv_config = KvCacheConfig(max_tokens=320) if process_id == 1 else None
     llm = LLM(
         model, tokenizer=bench.IdTextTokenizer(), max_batch_size=4, max_num_tokens=32, max_seq_len=128,
-        compile_config=compile_config, attention_backend="xla", show_progress=False,
+        kv_cache_config=kv_config, compile_config=compile_config, attention_backend="xla", show_progress=False,
     )
     report = dict(
         devices=[sorted(d.id for d in llm.engine.runner.mesh.devices.flat), [d.id for d in jax.local_devices()]],
@@ -163,10 +166,11 @@ def test_two_processes_give_the_dense_reference_tokens():
         for p in processes:
             p.kill()
     assert leader["tokens"] == leader["reference"]
-    # One engine over both processes' devices, split over both; the same pool; every step run on both.
+    # One engine over both processes' devices, split over both; the smaller pool; every step run on both.
     assert leader["tp"] == follower["tp"] == 2
     assert leader["devices"][0] == follower["devices"][0] == sorted(leader["devices"][1] + follower["devices"][1])
-    assert leader["num_blocks"] == follower["num_blocks"]
+    assert leader["num_blocks"] == follower["num_blocks"] == 21
+    assert "KV pool lowered from 33 to 21 blocks" in processes[0].text()
     assert follower["steps"] == leader["steps"] > 0
 
 
