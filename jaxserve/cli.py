@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -232,9 +233,8 @@ def _add_engine_options(
     group.add_argument(
         "--tensor-parallel-size",
         type=positive,
-        default=1,
         metavar="N",
-        help="devices the model is split over (default: 1)",
+        help="devices the model is split over (default: 1; in a multi-host run, every device of every process)",
     )
     group.add_argument(
         "--data-parallel-size",
@@ -482,6 +482,14 @@ def _add_serve_parser(commands: Any) -> None:
         help="a stream sends its first token at once, then a chunk every N tokens (and the last one): "
         "larger N costs the server less per token at many concurrent streams (default: 1)",
     )
+    multihost = parser.add_argument_group(
+        "multi-host (every process runs the same command; process 0 serves HTTP, the others follow it)"
+    )
+    multihost.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address and a free port, where the processes meet"
+    )
+    multihost.add_argument("--num-processes", type=_int_at_least(1), metavar="N", help="processes in the run")
+    multihost.add_argument("--process-id", type=_int_at_least(0), metavar="I", help="this process, 0 to N - 1")
     engine = parser.add_argument_group("engine")
     _add_engine_options(
         engine,
@@ -512,16 +520,42 @@ def _add_serve_parser(commands: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    """Builds the engine, serves until SIGINT / SIGTERM, frees the engine."""
+    """Builds the engine, serves until SIGINT / SIGTERM, frees the engine. In a multi-process run every
+    process builds it; the processes but 0 follow process 0's steps until it stops."""
+    from jaxserve import distributed
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.launch import serve
 
+    if args.coordinator is not None:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     llm, name = served_llm(args)
+    if not distributed.is_leader():
+        llm.follow()
+        return
     config = ServerConfig(args.served_model_name or name, args.api_key, args.max_request_bytes, args.stream_interval)
     try:
         serve(llm, args.host, args.port, config)
     finally:
         llm.close()
+
+
+def _validate_multihost(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from jaxserve.distributed import DistributedConfig
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if all(flag is None for flag in flags):
+        return
+    if any(flag is None for flag in flags):
+        parser.error("--coordinator, --num-processes and --process-id go together: give all three or none")
+    try:
+        DistributedConfig(*flags)
+    except ValueError as error:
+        names = {
+            "coordinator_address": "--coordinator",
+            "num_processes": "--num-processes",
+            "process_id": "--process-id",
+        }
+        parser.error(re.sub("|".join(names), lambda match: names[match.group(0)], str(error)))
 
 
 def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
@@ -562,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.random_weights is not None and args.model != DEFAULT_MODEL:
             parser.error(f"give MODEL or --random-weights, not both (got {args.model!r} and {args.random_weights!r})")
+        _validate_multihost(args, parser)
     else:
         _validate(args, parser)
     logging.basicConfig(

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve import capacity
+from jaxserve import capacity, distributed
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.inputs import Bucket, BucketTable, StepConfig, make_step_inputs
@@ -115,8 +115,17 @@ class Engine:
             family, cfg, self.steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode
         )
         store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
-        self.runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store)
+        # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends
+        # its steps, the others receive them (`LLM.follow`).
+        self.step_channel = distributed.StepChannel() if distributed.is_multiprocess() else None
+        channel = self.step_channel if distributed.is_leader() else None
+        self.runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store, channel=channel)
         self.kv_budget = capacity.kv_budget(self.runner.profile(), config)
+        if distributed.is_multiprocess():
+            agreed = distributed.agree_on_num_blocks(self.kv_budget.num_blocks)
+            self.kv_budget = dataclasses.replace(
+                self.kv_budget, num_blocks=agreed, kv_bytes=agreed * self.kv_budget.bytes_per_block
+            )
         if config.auto_max_batch_size:  # profiled at the upper bound: conservative for any smaller size
             self.config = config = _with_max_batch_size(config, self.kv_budget, cfg.vocab_size)
             self.steps = StepConfig.from_config(config, cfg.vocab_size, backend)
@@ -210,6 +219,7 @@ class Engine:
         whole tree). Every cached prefix is dropped (its K/V came from the old weights). Refused while a
         request is unfinished: let them finish or abort them first."""
         self._check_open("update_weights")
+        self._check_one_process("update_weights")
         family, cfg = self.runner.spec.family, self.runner.spec.cfg
         weights = load_from_pytree(family, cfg, params, np.dtype(self.runner.spec.dtype).name, cast=False)
         self._refuse_while_busy("update_weights")
@@ -227,6 +237,7 @@ class Engine:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level must be 1 (weights to host memory) or 2 (weights freed), got {level!r}")
         self._check_open("sleep")
+        self._check_one_process("sleep")
         if self.asleep:
             raise RuntimeError("the engine is already asleep: call wake_up() first")
         self._refuse_while_busy("sleep")
@@ -263,8 +274,17 @@ class Engine:
         if self.closed:
             raise RuntimeError(f"{action}: the engine is closed")
 
+    def _check_one_process(self, action: str) -> None:
+        if distributed.is_multiprocess():
+            raise RuntimeError(f"{action} is not supported in a run of {jax.process_count()} processes")
+
     def _check_serving(self) -> None:
         self._check_open("add_request")
+        if not distributed.is_leader():
+            raise RuntimeError(
+                f"process {jax.process_index()} follows process 0, which takes the requests: call follow() "
+                "on every process but process 0"
+            )
         if self.asleep:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
         if not self.runner.has_weights:

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve import capacity
+from jaxserve import capacity, distributed
 from jaxserve.config import DTYPES, CompileConfig, KvCacheConfig, SchedulerConfig, make_engine_config
 from jaxserve.engine import Engine, StepStats, model_dtype
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
@@ -118,8 +118,10 @@ class LLM:
     ) -> None:
         _check_arguments(model, dtype, max_batch_size, tensor_parallel_size, seed, show_progress)
         _check_size("data_parallel_size", data_parallel_size)
+        capacity.raise_memory_fraction_default()  # before the meshes start jax's backend
+        if jax.distributed.is_initialized() and jax.process_count() > 1:
+            tensor_parallel_size = _multiprocess_tp(tensor_parallel_size, data_parallel_size, mesh, mesh_axes)
         replica_meshes = _replica_meshes(mesh, mesh_axes, tensor_parallel_size, data_parallel_size)
-        capacity.raise_memory_fraction_default()
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # host weights: the runner lays them out on the device one layer at a time
@@ -221,6 +223,16 @@ class LLM:
             engine.close()
         self._mailboxes.clear()
         self._owners.clear()
+
+    def follow(self) -> int:
+        """On every process but process 0 of a multi-process run (`jaxserve.distributed`): runs the steps of
+        process 0's engine until process 0 closes its LLM, then closes this one; returns the steps run."""
+        if self.engine.step_channel is None or distributed.is_leader():
+            raise RuntimeError("follow() is for the processes other than 0 of a multi-process run: process 0 serves")
+        try:
+            return distributed.follow(self.engine.runner, self.engine.step_channel)
+        finally:
+            self.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -442,6 +454,23 @@ def _check_size(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value}")
+
+
+def _multiprocess_tp(tp: int | None, dp: int, mesh: Mesh | None, axes: Mapping[str, str | None] | None) -> int | None:
+    """tensor_parallel_size in a multi-process run, where one engine is split over every device of every
+    process (the followers keep pace with process 0 because every step's collectives span them all)."""
+    count, processes = jax.device_count(), jax.process_count()
+    why = f"a run of {processes} processes serves one engine split over all their {count} devices"
+    if dp != 1:
+        raise ValueError(f"{why}: data_parallel_size must be 1, got {dp}")
+    if mesh is not None:
+        size = serving_mesh(mesh, axes).shape[MODEL_AXIS]
+        if size != count:
+            raise ValueError(f"{why}: the mesh's tensor-parallel axis must hold all of them, it has {size}")
+        return tp
+    if tp is not None and tp != count:
+        raise ValueError(f"{why}: tensor_parallel_size must be {count} (or left out), got {tp}")
+    return count
 
 
 def _engine_mesh(mesh: Mesh | None, axes: Mapping[str, str | None] | None, tp: int | None) -> Mesh | None:

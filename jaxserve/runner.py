@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,9 @@ from models.common import delete_arrays
 from models.registry import ModelConfig, ModelFamily
 from sharding.mesh import MESH_AXES, MODEL_AXIS, make_mesh
 from sharding.rules import named_shardings
+
+if TYPE_CHECKING:
+    from jaxserve.distributed import StepChannel
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +211,11 @@ class Runner:
         mesh: Mesh | None = None,
         seed: int = 0,
         store_dir: str | os.PathLike | None = None,
+        channel: StepChannel | None = None,
     ) -> None:
         self.spec = spec
+        # Process 0 of a multi-process run: each step goes to the followers before it is dispatched.
+        self.channel = channel
         self.mesh = mesh if mesh is not None else make_mesh(tp=1, devices=jax.devices()[:1])
         if self.mesh.axis_names != MESH_AXES:  # the rules table and the kernels name these axes
             raise ValueError(
@@ -277,7 +283,11 @@ class Runner:
         return self._host_weights is not None
 
     def close(self) -> None:
-        """Frees every device buffer the runner holds and drops its compiled executables."""
+        """Frees every device buffer the runner holds and drops its compiled executables; the followers of
+        a multi-process run stop."""
+        if self.channel is not None:
+            self.channel.send_stop()
+            self.channel = None
         self.release_kv()
         self.discard_weights()
         delete_arrays((self._previous, self._key))
@@ -307,9 +317,11 @@ class Runner:
 
     def profile(self) -> capacity.MemoryProfile:
         """Bytes per KV token, and per device the memory left once the largest step is compiled over a
-        small probe pool and run once (no device statistics, as on CPU: bytes per token only)."""
+        small probe pool and run once (no device statistics, as on CPU: bytes per token only). This
+        process's devices only: in a multi-process run each process profiles its own, then they agree on
+        the smallest pool (`distributed.agree_on_num_blocks`)."""
         per_token = capacity.kv_bytes_per_token(self.cache_specs(2), self.mesh, self.spec.dtype)
-        devices = list(self.mesh.devices.flat)
+        devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         if any(capacity.device_memory(d) is None for d in devices):
             return capacity.MemoryProfile(per_token)
         bucket, variant = self.spec.steps.largest_step()
@@ -501,6 +513,8 @@ class Runner:
                 f"kv_blocks, prompt_logprobs): {forwards}; samplers (rows, mode, penalties): {samplers})"
             )
         forward, sampler = executables
+        if self.channel is not None:
+            self.channel.send_step(self.spec.steps, bucket, variant, inputs)
         out, self.kv_cache = forward(self.weights, self.kv_cache, replace(inputs, history=None), self._previous)
         tokens, logprobs, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key)
         self._previous, self._key = tokens, key
@@ -541,7 +555,13 @@ class Runner:
     def recover(self) -> None:
         """Usable again after a step failed or was interrupted: the device state a failed call may have
         consumed or poisoned (the previous step's tokens, the PRNG key, the donated KV pool) is replaced.
-        The pool's contents are not kept; the engine recomputes every request."""
+        The pool's contents are not kept; the engine recomputes every request. Not in a multi-process run,
+        where a failed step most likely means a process died: the run must be restarted."""
+        if jax.process_count() > 1:
+            raise RuntimeError(
+                f"a step failed in a run of {jax.process_count()} processes (process {jax.process_index()}): a peer "
+                "process has most likely died or lost its connection; the engine cannot go on: restart every process"
+            )
         self._recoveries += 1
         self._reset_step_state(jax.random.fold_in(jax.random.PRNGKey(self._seed), self._recoveries))
         if self.kv_cache is None:

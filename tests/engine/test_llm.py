@@ -452,7 +452,6 @@ def test_steps_report_a_request_once_when_it_finishes_unless_it_streams(llm, ser
     assert [len(o.outputs[0].token_ids) for o in outputs if o.request_id == streamed] == [1, 2, 3, 4]
 
 
-
 def test_a_stream_interval_reports_the_first_token_then_every_n_tokens_and_the_end(llm, serves_after):
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
