@@ -215,7 +215,8 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
 def _add_engine_options(
     group: Any,
     *,
-    max_batch_size_help: str = "sequences per step (default: 256 on GPU, 8 on CPU; latency: --batch-size)",
+    max_batch_size_help: str = "sequences per step (default: 8 on CPU; on a GPU the largest of 1024, 512, 256 whose "
+    "sequences of 256 tokens the KV pool holds; latency: --batch-size)",
     max_seq_len_help: str = "default: the longest request's prompt + output",
 ) -> None:
     from jaxserve.config import ATTENTION_BACKENDS, DTYPES, CapacityPolicy
