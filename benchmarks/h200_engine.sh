@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_engine.sh latency   # jaxserve bench latency, 8B shape, batch 1 / 8 / 32 (default settings)
 #   bash benchmarks/h200_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
 #   bash benchmarks/h200_engine.sh long      # jaxserve bench throughput: 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
+#   bash benchmarks/h200_engine.sh serve     # jaxserve serve under 256 streaming clients (--stream-interval 1, 8), then bench on the same engine settings
 # `latency`, `throughput` and `long` each fit one device call; `throughput` starts from an empty cache
 # ($JAXSERVE_CACHE/xla removed) so its first run is the cold warmup.
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log; `profile` writes
@@ -82,5 +83,19 @@ case "${1:-}" in
     bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
     bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
     ;;
-  *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long" >&2; exit 2 ;;
+  serve)
+    S=(--random-weights llama-3.1-8b --served-model-name llama-3.1-8b --port 8000 --max-batch-size 256 --max-seq-len 256 --no-penalty-variants)
+    C=(--model llama-3.1-8b --num-clients 256 --num-requests 1024 --input-len 128 --output-len 128 --processes 4 --json)
+    for interval in 1 8; do
+      echo "== jaxserve serve ${S[*]} --stream-interval $interval; python benchmarks/serve_load.py ${C[*]}"
+      python3 -m jaxserve.cli serve "${S[@]}" --stream-interval "$interval" >/dev/null 2>"$OUT/serve_$interval.log" &
+      server=$!
+      for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+      timeout 120 python3 benchmarks/serve_load.py "${C[@]}" | tee -a "$OUT/results.jsonl"
+      curl -s http://127.0.0.1:8000/metrics | grep -E "^jaxserve:time_per_output_token_seconds_(sum|count)"
+      kill -INT $server; wait $server
+    done
+    bench_run t1024_at_256 120 throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128 --max-batch-size 256
+    ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long|serve" >&2; exit 2 ;;
 esac
