@@ -329,12 +329,14 @@ class Runner:
         forward = self.compile_forward(bucket, variant.prompt_logprobs, probe_blocks)
         sampler = self.compile_sampler(bucket.num_seqs, variant.sampler, variant.penalties)
         compiled_peak = max(capacity.activation_peak(forward), capacity.activation_peak(sampler))
+        # The probe's pool (one max_seq_len sequence: 16 GiB at the 8B shape's 131072 tokens) is in use
+        # before the step, as the real pool will be, so that only the step's own memory counts.
+        probe_pool = self._zero_cache(probe_blocks)
         before = [capacity.device_memory(d) for d in devices]
-        self.probe_step(forward, sampler, bucket, variant, probe_blocks)
+        self.probe_step(forward, sampler, bucket, variant, probe_pool)
         peaks = [capacity.peak_bytes_in_use(d) for d in devices]
-        # The probe step's peak above what was in use before it (its small pool included: conservative).
-        # peak_bytes_in_use never resets, so a load-time peak can hide the step's: the compiled figure
-        # stays the floor.
+        # The probe step's peak above what was in use before it. peak_bytes_in_use never resets, so a
+        # load-time peak can hide the step's: the compiled figure stays the floor.
         measured = max(p - in_use for p, (_, in_use) in zip(peaks, before, strict=True))
         peak = max(compiled_peak, measured)
         logger.info(
@@ -356,11 +358,12 @@ class Runner:
         sampler: jax.stages.Compiled,
         bucket: Bucket,
         variant: StepVariant,
-        num_blocks: int,
+        kv_cache: Any,
     ) -> None:
-        """Runs a step compiled for a small pool once on an all-padding batch (for its memory peak)."""
+        """Runs a step compiled for a small pool once on an all-padding batch (for its memory peak); the
+        pool `kv_cache` is donated to it."""
         inputs = padding_inputs(bucket, variant, self.spec.steps)
-        out, _ = forward(self.weights, self._zero_cache(num_blocks), replace(inputs, history=None), self._previous)
+        out, _ = forward(self.weights, kv_cache, replace(inputs, history=None), self._previous)
         jax.block_until_ready(sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key))
 
     def set_steps(self, steps: StepConfig) -> None:

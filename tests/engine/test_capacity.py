@@ -263,6 +263,47 @@ def test_engine_sizes_its_pool_from_device_memory_and_a_probe_step(monkeypatch, 
     assert real_probe(jax.devices()[0]) >= 0  # the real reader answers on CPU too (0: not reported)
 
 
+def test_the_probe_pool_is_in_use_before_the_probe_step_not_counted_as_its_activations(
+    monkeypatch, tiny_model, make_llm
+):
+    """The probe's pool holds one max_seq_len sequence (16 GiB at the 8B shape's 131072 tokens, measured on
+    an H200 as a 17.25 GiB activation peak against 1.48 GiB at 256): it is allocated before the memory in
+    use is read, so the probe step's peak above that is the step's own. Faked statistics: in use = the live
+    arrays' bytes; the peak = what is live when the forward is called (the pool among its arguments) plus
+    the step's own scratch; the compiled memory analysis is left out (0)."""
+    from jaxserve.runner import Runner
+
+    def live_bytes() -> int:
+        return sum(array.nbytes for array in jax.live_arrays())
+
+    scratch = 16 * 1024
+    state = {"peak": 0}
+    monkeypatch.setattr(capacity, "device_memory", lambda device: (live_bytes() + 256 * MiB, live_bytes()))
+    monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: state["peak"])
+    monkeypatch.setattr(capacity, "activation_peak", lambda compiled: 0)
+    original_probe, original_profile, profiles = Runner.probe_step, Runner.profile, []
+
+    def probe_step(self, forward, sampler, *args):
+        def sampled(*forward_args):
+            state["peak"] = live_bytes() + scratch
+            return forward(*forward_args)
+
+        original_probe(self, sampled, sampler, *args)
+
+    def profile(self):
+        profiles.append(original_profile(self))
+        return profiles[-1]
+
+    monkeypatch.setattr(Runner, "probe_step", probe_step)
+    monkeypatch.setattr(Runner, "profile", profile)
+    llm = make_llm(tiny_model("llama"), max_seq_len=4096)
+    buckets = llm.engine.steps.buckets
+    pool_bytes = (buckets.max_blocks_per_seq + 1) * buckets.block_size * profiles[0].kv_bytes_per_token
+    assert pool_bytes > 4 * scratch  # large enough to tell apart
+    [device] = profiles[0].devices
+    assert scratch <= device.activation_peak < scratch + pool_bytes // 2
+
+
 def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypatch, tiny_model, make_llm):
     """With prompt-logprobs variants the largest step also holds a slice of full-vocabulary logits: that
     variant (of the largest token bucket) is the one probed."""
@@ -275,9 +316,9 @@ def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypa
     probed = []
     original = Runner.probe_step
 
-    def probe_step(self, forward, sampler, bucket, variant, num_blocks):
+    def probe_step(self, forward, sampler, bucket, variant, kv_cache):
         probed.append((bucket, variant))
-        original(self, forward, sampler, bucket, variant, num_blocks)
+        original(self, forward, sampler, bucket, variant, kv_cache)
 
     monkeypatch.setattr(Runner, "probe_step", probe_step)
     config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=False, prompt_logprobs=True)
