@@ -2,7 +2,9 @@
 functions (workloads, metrics, reports); `jaxserve.cli` parses the flags and calls them.
 
 throughput: a workload (random token ids of fixed lengths, or a JSONL dataset) goes to one timed
-`LLM.generate`, after a small warm-up generate. The report: token and request rates, per-request TTFT,
+`LLM.generate`, after a small warm-up generate; with max_concurrency N, at most N requests are in the
+engine at once and the next one is submitted as soon as one finishes (N closed-loop clients that answer
+at once, as `benchmarks/serve_load.py` puts on a server). The report: token and request rates, per-request TTFT,
 TPOT and latency percentiles (from `RequestOutput.metrics`), the step-time breakdown (from
 `LLM.step_stats`), the KV pool and its peak usage, start-up and compile times.
 latency: `num_warmup`, then `num_iters` timed generates of one batch of `batch_size` requests; the report:
@@ -13,7 +15,8 @@ every request makes exactly its output length of tokens (ignore_eos); greedy unl
 
 Per request: TTFT = first_token_time - arrival_time; TPOT = (finished_time - first_token_time) /
 (output tokens - 1), for requests of two tokens or more; latency = finished_time - arrival_time. All
-requests of a generate arrive when it starts, so TTFT includes the time a request waits for a batch slot.
+requests of a generate arrive when it starts (with max_concurrency: when submitted), so TTFT includes the
+time a request waits for a batch slot.
 Percentiles interpolate linearly between samples (numpy's default). decode_step_ms is the median time
 between the launches of consecutive decode-only steps: the steady decode step time.
 
@@ -28,14 +31,15 @@ significant digits.
               "output_tok_per_s", "ttft_ms", "tpot_ms": {"mean", "p50", "p90", "p99"} (null without samples),
               "steps": {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms",
                         "peak_kv_usage" (a fraction of the pool), "num_preempted"}
-  throughput: "num_requests", "input_tokens", "output_tokens", "elapsed_s", "total_tok_per_s",
-              "requests_per_s", "latency_ms": {"mean", "p50", "p90", "p99"}
+  throughput: "num_requests", "max_concurrency" (null: all at once), "input_tokens", "output_tokens",
+              "elapsed_s", "total_tok_per_s", "requests_per_s", "latency_ms": {"mean", "p50", "p90", "p99"}
   latency:    "batch_size", "input_len", "output_len", "num_iters", "num_warmup",
               "latency_s": {"mean", "p50", "p90", "p99"}, "iteration_latencies_s": [...]
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
@@ -45,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxserve.sampling import RequestMetrics, RequestOutput
+from jaxserve.sampling import RequestMetrics, RequestOutput, SamplingParams
 from jaxserve.workload import SamplingOptions, Workload
 from models import shapes
 
@@ -259,16 +263,51 @@ class TimedRun:
         return sum(len(o.outputs[0].token_ids) for o in self.outputs)
 
 
-def timed_generate(llm: LLM, workload: Workload, sampling: SamplingOptions) -> TimedRun:
-    """Generates the workload; a request that could not be served is a RuntimeError (it would skew the figures)."""
+def timed_generate(
+    llm: LLM, workload: Workload, sampling: SamplingOptions, max_concurrency: int | None = None
+) -> TimedRun:
+    """Generates the workload (at most max_concurrency requests at once: `closed_loop_generate`); a request
+    that could not be served is a RuntimeError (it would skew the figures)."""
     params = sampling.params(workload.output_lens)
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    if max_concurrency is None:
+        outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    else:
+        outputs = closed_loop_generate(llm, workload.prompts, params, max_concurrency)
     elapsed = time.perf_counter() - start
     failed = [o for o in outputs if o.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}")
     return TimedRun(outputs, elapsed, [s for s in llm.step_stats if s.launched_at >= start])
+
+
+def closed_loop_generate(
+    llm: LLM, prompts: Sequence[Any], params: Sequence[SamplingParams], max_concurrency: int
+) -> list[RequestOutput]:
+    """The prompts' final outputs (in their order), with at most max_concurrency requests unfinished at once:
+    whenever a step finishes some, as many of the next prompts are submitted before the next step."""
+    from jaxserve.prompts import normalize_prompts
+
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+    queue = collections.deque(zip(range(len(prompts)), normalize_prompts(list(prompts)), params, strict=True))
+    outputs: list[RequestOutput | None] = [None] * len(prompts)
+    running: dict[str, int] = {}  # request id -> prompt index
+    try:
+        while queue or running:
+            while queue and len(running) < max_concurrency:
+                index, prompt, request_params = queue.popleft()
+                running[llm._add(prompt, request_params, stream=False)] = index
+            for request_id in llm._pump():
+                output = llm._take(request_id) if request_id in running else None
+                if output is not None and output.finished:
+                    outputs[running.pop(request_id)] = output
+    except BaseException:
+        for request_id in running:
+            llm._abort(request_id)
+        raise
+    llm._drain()
+    return [output for output in outputs if output is not None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +316,7 @@ class ThroughputResult:
 
     engine: EngineSummary
     num_requests: int
+    max_concurrency: int | None
     input_tokens: int
     output_tokens: int
     elapsed_s: float
@@ -290,16 +330,22 @@ class ThroughputResult:
 
 
 def run_throughput(
-    llm: LLM, workload: Workload, sampling: SamplingOptions, engine: EngineSummary, warmup: Workload
+    llm: LLM,
+    workload: Workload,
+    sampling: SamplingOptions,
+    engine: EngineSummary,
+    warmup: Workload,
+    max_concurrency: int | None = None,
 ) -> ThroughputResult:
-    """The warm-up generate, then the timed one."""
+    """The warm-up generate, then the timed one (at most max_concurrency requests at once)."""
     timed_generate(llm, warmup, sampling)
-    run = timed_generate(llm, workload, sampling)
+    run = timed_generate(llm, workload, sampling, max_concurrency)
     times = request_times(run.outputs)
     input_tokens = sum(len(o.prompt_token_ids) for o in run.outputs)
     return ThroughputResult(
         engine=engine,
         num_requests=len(run.outputs),
+        max_concurrency=max_concurrency,
         input_tokens=input_tokens,
         output_tokens=run.output_tokens,
         elapsed_s=run.elapsed_s,
@@ -393,7 +439,8 @@ def format_throughput(result: ThroughputResult) -> str:
     lines = [
         *_engine_lines("throughput", r.engine, r.steps),
         "",
-        f"requests            {r.num_requests}",
+        f"requests            {r.num_requests}"
+        + (f" (at most {r.max_concurrency} at once)" if r.max_concurrency is not None else ""),
         f"input tokens        {r.input_tokens} ({r.input_tokens / r.num_requests:.1f} per request)",
         f"output tokens       {r.output_tokens} ({r.output_tokens / r.num_requests:.1f} per request)",
         f"elapsed             {r.elapsed_s:.3f} s",

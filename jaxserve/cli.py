@@ -139,6 +139,13 @@ def _add_throughput_parser(kinds: Any) -> argparse.ArgumentParser:
         help="tokens per request (default: 128; with --dataset: where a line has none)",
     )
     workload.add_argument(
+        "--max-concurrency",
+        type=count,
+        metavar="N",
+        help="at most N requests in the engine at once, the next submitted as one finishes (N clients that "
+        "send their next request at once; default: every request at the start)",
+    )
+    workload.add_argument(
         "--dataset",
         metavar="FILE.jsonl",
         help='requests from a file: one JSON object per line with "prompt" (text) or "prompt_token_ids", '
@@ -365,7 +372,7 @@ def run_bench(args: argparse.Namespace) -> str:
     )
     if is_throughput:
         warmup = workload.warmup_workload(batches[0], vocab, args.seed)
-        result = bench.run_throughput(llm, batches[0], sampling, engine, warmup)
+        result = bench.run_throughput(llm, batches[0], sampling, engine, warmup, args.max_concurrency)
     else:
         result = bench.run_latency(llm, batches, sampling, engine, args.num_warmup)
     return bench.report(result, as_json=args.json)

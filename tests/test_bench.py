@@ -46,6 +46,7 @@ PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
 COMMON_KEYS = {"benchmark", "engine", "output_tok_per_s", "ttft_ms", "tpot_ms", "steps"}
 THROUGHPUT_KEYS = COMMON_KEYS | {
     "num_requests",
+    "max_concurrency",
     "input_tokens",
     "output_tokens",
     "elapsed_s",
@@ -273,7 +274,7 @@ def _percentiles(scale: float) -> bench.Percentiles:
 def test_the_throughput_report_and_its_json_keys():
     steps = bench.StepSummary(10, 0.5, 0.25, 1.25, 0.5, 0)
     p = _percentiles(1.0)
-    result = bench.ThroughputResult(_engine(), 6, 48, 24, 0.5, 48.0, 144.0, 12.0, p, None, p, steps)
+    result = bench.ThroughputResult(_engine(), 6, None, 48, 24, 0.5, 48.0, 144.0, 12.0, p, None, p, steps)
     table = bench.report(result)
     for line in ["requests            6", "output tokens       24 (4.0 per request)", "elapsed             0.500 s"]:
         assert line in table
@@ -319,6 +320,7 @@ def test_the_latency_report_and_its_json_keys():
         (["throughput", "--token-buckets", "0"], "argument --token-buckets: must be comma-separated ints >= 1"),
         (["throughput", "--kv-cache-free-memory-fraction", "1.5"], "must be a number in (0, 1], got 1.5"),
         (["throughput", "--max-seq-len", "1"], "argument --max-seq-len: must be an int >= 2, got 1"),
+        (["throughput", "--max-concurrency", "0"], "argument --max-concurrency: must be an int >= 1, got 0"),
         (["latency", "--num-warmup", "-1"], "argument --num-warmup: must be an int >= 0, got -1"),
         (["latency", "--num-iters", "0"], "argument --num-iters: must be an int >= 1, got 0"),
         (["latency", "--dataset", "d.jsonl"], "unrecognized arguments: --dataset"),
@@ -373,6 +375,30 @@ def test_throughput_end_to_end_on_random_weights(capsys):
     # 6 requests over 4 rows: at least two prefill steps and 3 decode steps for the tokens after the first.
     assert steps["num_steps"] >= 5 and steps["decode_step_ms"] is not None and 0 < steps["peak_kv_usage"] <= 1
     assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_ms"]) == PERCENTILE_KEYS
+
+
+def test_throughput_at_a_max_concurrency_keeps_that_many_requests_in_the_engine(capsys, monkeypatch):
+    """--max-concurrency 2 over 4-row steps: never more than 2 sequences in a step, every request served,
+    the same greedy tokens as all at once."""
+    runs = []  # (max_concurrency, run): each main() runs a warm-up generate, then the timed one
+    real = bench.timed_generate
+
+    def timed(llm, workload, sampling, max_concurrency=None):
+        runs.append((max_concurrency, real(llm, workload, sampling, max_concurrency)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(bench, "timed_generate", timed)
+    args = ["bench", "throughput", *TINY_ENGINE, "--num-requests", "6", "--input-len", "8", "--output-len", "4"]
+    assert main([*args, "--json"]) == 0
+    assert main([*args, "--json", "--max-concurrency", "2"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["max_concurrency"] == 2 and record["num_requests"] == 6 and record["output_tokens"] == 24
+    assert [limit for limit, _ in runs] == [None, None, None, 2]
+    at_once, closed = runs[1][1], runs[3][1]
+    assert [o.outputs[0].token_ids for o in closed.outputs] == [o.outputs[0].token_ids for o in at_once.outputs]
+    assert max(s.num_seqs for s in closed.stats) == 2 and max(s.num_seqs for s in at_once.stats) == 4
+    with pytest.raises(ValueError, match="max_concurrency must be an int >= 1"):
+        bench.closed_loop_generate(None, [[1]], [None], 0)
 
 
 def test_throughput_of_a_dataset_prints_the_table(tmp_path, capsys):
