@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_engine.sh latency   # jaxserve bench latency, 8B shape, batch 1 / 8 / 32 (default settings)
 #   bash benchmarks/h200_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
 #   bash benchmarks/h200_engine.sh long      # jaxserve bench throughput: 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
-#   bash benchmarks/h200_engine.sh serve     # jaxserve serve under 256 streaming clients (--stream-interval 1, 8), then bench on the same engine settings
+#   bash benchmarks/h200_engine.sh serve     # jaxserve serve under 256 streaming clients (--stream-interval 1, 8), then bench on the same engine settings, all at once and 256 at a time
 # `latency`, `throughput` and `long` each fit one device call; `throughput` starts from an empty cache
 # ($JAXSERVE_CACHE/xla removed) so its first run is the cold warmup.
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log; `profile` writes
@@ -95,7 +95,9 @@ case "${1:-}" in
       curl -s http://127.0.0.1:8000/metrics | grep -E "^jaxserve:time_per_output_token_seconds_(sum|count)"
       kill -INT $server; wait $server
     done
-    bench_run t1024_at_256 120 throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128 --max-batch-size 256
+    B=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128 --max-batch-size 256)
+    bench_run t1024_at_256 120 "${B[@]}"
+    bench_run t1024_256_clients 120 "${B[@]}" --max-concurrency 256  # the clients' closed loop, without HTTP
     ;;
   *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long|serve" >&2; exit 2 ;;
 esac
