@@ -77,7 +77,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
-    block_ids: array[int] = field(default_factory=lambda: array("i"))
+    block_ids: array = field(default_factory=lambda: array("i"))
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -62,7 +62,7 @@ class ScheduledRow:
     start: int
     num_tokens: int
     token_ids: list[int]
-    block_ids: array[int]
+    block_ids: array
     samples: bool
     input_pending: bool
     generation_index: int
