@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from array import array
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def decode_batch(steps: StepConfig, batch: int, context: int, params: SamplingPa
         # Each request its own copy of the parameters, as the engine's add_request validates them.
         request = Request(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=dataclasses.replace(params))
         request.num_computed_tokens, request.num_pending_tokens = context + 1, 1
-        request.block_ids = blocks[i].tolist()
+        request.block_ids = array("i", blocks[i].tolist())
         rows.append(
             ScheduledRow(
                 request=request,

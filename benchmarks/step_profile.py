@@ -52,6 +52,7 @@ import os
 import re
 import sys
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -213,7 +214,8 @@ def _rows(n: int, start: int, num_tokens: int, steps: StepConfig, params: Sampli
         prompt = rng.integers(1, min(steps.vocab_size, 32000), start if decode else num_tokens).tolist()
         request = Request(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params)
         known = [] if decode else request.token_ids
-        row = dict(request=request, start=start, num_tokens=num_tokens, token_ids=known, block_ids=blocks[i].tolist())
+        block_ids = array("i", blocks[i].tolist())
+        row = dict(request=request, start=start, num_tokens=num_tokens, token_ids=known, block_ids=block_ids)
         flags = dict(samples=True, input_pending=decode, generation_index=int(decode), epoch=0, is_prefill=not decode)
         rows.append(ScheduledRow(**row, **flags))
     return rows

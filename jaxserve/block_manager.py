@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -195,7 +196,7 @@ class BlockManager:
         found = self._lookup(request)
         for block, _ in found:
             self._take(block)
-        request.block_ids = [block for block, _ in found]
+        request.block_ids = array("i", [block for block, _ in found])
         request.block_hashes = [block_hash for _, block_hash in found]
         cached_tokens = len(found) * self.block_size
         request.num_computed_tokens = cached_tokens
@@ -221,7 +222,7 @@ class BlockManager:
         shared = self.num_shareable_blocks(parent, child)
         for block in parent.block_ids[:shared]:
             self._ref_counts[block] += 1
-        child.block_ids = list(parent.block_ids[:shared])
+        child.block_ids = parent.block_ids[:shared]  # a slice of an array is a copy
         child.block_hashes = list(parent.block_hashes[:shared])
         child.num_computed_tokens = shared * self.block_size
         child.num_cached_tokens = child.num_computed_tokens
@@ -273,7 +274,7 @@ class BlockManager:
                     self._cached_free[block] = None
                 else:
                     self._free.append(block)
-        request.block_ids = []
+        request.block_ids = array("i")
         request.block_hashes = []
 
     def reset(self, requests: Iterable[Request]) -> None:
@@ -284,7 +285,7 @@ class BlockManager:
         """
         self._empty_pool()
         for request in requests:
-            request.block_ids = []
+            request.block_ids = array("i")
             request.block_hashes = []
             request.num_cached_tokens = 0
 

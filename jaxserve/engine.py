@@ -28,7 +28,7 @@ import logging
 import os
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -409,12 +409,20 @@ class Engine:
             self.outputs.add_prompt_logprobs(batch, prompt_logprobs)
         received = self.scheduler.update(batch, tokens)
         self.stats.append(flight.stats)
-        row_of = {id(row.request): i for i, row in enumerate(batch.rows)}
-        for request in received:
-            stop = self.outputs.add_token(request, logprobs, row_of[id(request)], sampled_logprobs)
+        for request, row in zip(received, _rows_of(batch, received), strict=True):
+            stop = self.outputs.add_token(request, logprobs, row, sampled_logprobs)
             if stop is not None:
                 self.scheduler.finish(request, FinishReason.STOP, stop_reason=stop)
         return {request.request_id for request in received}
+
+
+def _rows_of(batch: ScheduledBatch, received: list[Request]) -> Sequence[int]:
+    """The batch row of each received request (`Scheduler.update` returns them in row order, at most one per
+    row): when every row got a token, row i is the i-th, and no dict of 1024 rows is built per step."""
+    if len(received) == len(batch.rows):
+        return range(len(received))
+    row_of = {id(row.request): i for i, row in enumerate(batch.rows)}
+    return [row_of[id(request)] for request in received]
 
 
 def _read_logprobs(batch: ScheduledBatch, out: StepOutput) -> tuple[Any, np.ndarray | None]:

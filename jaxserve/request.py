@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class Request:
     eos_token_ids: tokens that end the sequence unless sampling_params.ignore_eos (from the tokenizer).
     index / parent: sample index within the request's n samples; samples > 0 point at sample 0.
     block_ids / block_hashes: owned by the BlockManager; hashes of the full blocks computed so far.
+        block_ids is a C-int array (`array("i")`, packed int32): a step joins its rows' block lists
+        into the block table as bytes (`inputs._fill_block_table`), without converting Python ints.
     num_cached_tokens: prompt tokens served from the prefix cache (or a fork) at the last admission.
     sampling_record: the request's per-row sampling inputs, packed by make_step_inputs the first time the
         request runs (`inputs.sampling_record`): its parameters and seed never change.
@@ -74,7 +77,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: array = field(default_factory=lambda: array("i"))
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,7 +62,7 @@ class ScheduledRow:
     start: int
     num_tokens: int
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: array
     samples: bool
     input_pending: bool
     generation_index: int

@@ -1,5 +1,7 @@
 """Block pool: reserved block 0, ref counts, prefix hashes, LRU reuse and eviction, fork, statistics."""
 
+from array import array
+
 import pytest
 
 from jaxserve.block_manager import RESERVED_BLOCK, BlockManager, hash_block
@@ -22,6 +24,8 @@ def compute(manager, request, num_tokens):
 def assert_pool_consistent(manager, requests):
     held = {}
     for request in requests:
+        # Packed C ints: make_step_inputs joins the rows' arrays into the block table as bytes.
+        assert isinstance(request.block_ids, array) and request.block_ids.typecode == "i"
         for block in request.block_ids:
             held[block] = held.get(block, 0) + 1
     assert RESERVED_BLOCK not in held
@@ -62,7 +66,7 @@ def test_allocate_append_free_and_ref_counts():
     assert len(request.block_ids) == 3
     assert_pool_consistent(manager, [request])
     manager.free(request)
-    assert request.block_ids == [] and manager.num_free_blocks == 7 and manager.num_cached_free_blocks == 0
+    assert request.block_ids == array("i") and manager.num_free_blocks == 7 and manager.num_cached_free_blocks == 0
     assert_pool_consistent(manager, [])
 
 

@@ -2,6 +2,7 @@
 against hand-built expectations."""
 
 import dataclasses
+from array import array
 
 import numpy as np
 import pytest
@@ -160,7 +161,7 @@ def row(request, start, num_tokens, block_ids, *, pending=False, prefill=True, s
         start=start,
         num_tokens=num_tokens,
         token_ids=request.token_ids[start:known_end],
-        block_ids=block_ids,
+        block_ids=array("i", block_ids),
         samples=samples,
         input_pending=pending,
         generation_index=generation_index,
@@ -469,7 +470,7 @@ def random_batch(rng: np.random.Generator, config: StepConfig) -> tuple[Schedule
             start=start,
             num_tokens=num_tokens,
             token_ids=request.token_ids[start:known_end],
-            block_ids=[next(free_blocks) for _ in range(held)],
+            block_ids=array("i", [next(free_blocks) for _ in range(held)]),
             samples=kind != "prefill" or known_end == len(request.token_ids),
             input_pending=kind == "pending",
             generation_index=int(rng.integers(0, 6)),
@@ -550,9 +551,9 @@ def test_step_inputs_equal_a_row_by_row_construction_on_random_batches(seed):
     expected = row_by_row_inputs(batch, previous, config, bucket, variant)
     got, want = _leaves(inputs), _leaves(expected)
     assert got.keys() == want.keys()
-    for name, array in want.items():
-        if array is None:
+    for name, wanted in want.items():
+        if wanted is None:
             assert got[name] is None, name
         else:
-            assert got[name].dtype == array.dtype, name
-            np.testing.assert_array_equal(got[name], array, err_msg=name)
+            assert got[name].dtype == wanted.dtype, name
+            np.testing.assert_array_equal(got[name], wanted, err_msg=name)

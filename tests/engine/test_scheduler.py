@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,10 +95,10 @@ def test_request_state_machine_rejects_illegal_transitions():
     request.admit(0.0)
     with pytest.raises(IllegalTransition, match="without a pending sample"):
         request.append_token(3, 0.0)
-    request.block_ids = [4]
+    request.block_ids = array("i", [4])
     with pytest.raises(IllegalTransition, match="holding blocks"):
         request.preempt()
-    request.block_ids = []
+    request.block_ids = array("i")
     request.finish(FinishReason.ABORT, 1.0)
     with pytest.raises(IllegalTransition, match="FINISHED -> PREFILL"):
         request.admit(2.0)
@@ -244,7 +245,7 @@ def test_abort_and_finish_free_blocks_and_leave_the_others_running():
     assert scheduler.abort("a") == a_samples
     assert all(r.finish_reason is FinishReason.ABORT for r in a_samples)
     scheduler.finish(b, FinishReason.STOP, stop_reason="###")
-    assert b.stop_reason == "###" and b.block_ids == []
+    assert b.stop_reason == "###" and b.block_ids == array("i")
     run_to_completion(scheduler)
     assert c.finish_reason is FinishReason.LENGTH
     assert scheduler.block_manager.num_used_blocks == 0
@@ -495,7 +496,7 @@ def test_random_workloads_finish_without_leaks(
     manager = scheduler.block_manager
     assert all(r.is_finished for r in requests)
     for request in requests:
-        assert request.block_ids == []
+        assert request.block_ids == array("i")
         assert (request.finish_reason is FinishReason.ERROR) == (scheduler.rejection_reason(request) is not None)
         check_outputs(request, max_seq_len)
     assert manager.num_free_blocks == manager.num_usable_blocks  # never-used + cached-reusable == total - 1
