@@ -530,20 +530,12 @@ def make_step_inputs(
     return inputs, bucket, variant
 
 
-# One request's sampling inputs (SamplingInputs' columns but generation_index) and the facts its step's
-# variant and banned ids read, as one record: packed once per request (`sampling_record`), so that a step
-# gathers its rows' records with one bytes join.
+# One request's sampling inputs (SamplingInputs' columns, with their dtypes, but generation_index) and the
+# facts its step's variant and banned ids read, as one record: packed once per request (`sampling_record`),
+# so that a step gathers its rows' records with one bytes join.
 SAMPLING_RECORD = np.dtype(
     [
-        ("temperature", np.float32),
-        ("top_k", np.int32),
-        ("top_p", np.float32),
-        ("min_p", np.float32),
-        ("repetition_penalty", np.float32),
-        ("presence_penalty", np.float32),
-        ("frequency_penalty", np.float32),
-        ("seed", np.uint32),
-        ("has_seed", np.bool_),
+        *((f.name, f.metadata["dtype"]) for f in fields(SamplingInputs) if f.name != "generation_index"),
         ("min_tokens", np.int32),
         ("greedy", np.bool_),
         ("penalty", np.bool_),
