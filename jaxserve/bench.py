@@ -291,7 +291,7 @@ def closed_loop_generate(
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
         raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
     queue = collections.deque(zip(range(len(prompts)), normalize_prompts(list(prompts)), params, strict=True))
-    outputs: list[RequestOutput | None] = [None] * len(prompts)
+    outputs: dict[int, RequestOutput] = {}  # prompt index -> final output
     running: dict[str, int] = {}  # request id -> prompt index
     try:
         while queue or running:
@@ -307,7 +307,7 @@ def closed_loop_generate(
             llm._abort(request_id)
         raise
     llm._drain()
-    return [output for output in outputs if output is not None]
+    return [outputs[index] for index in range(len(prompts))]
 
 
 @dataclass(frozen=True, slots=True)
