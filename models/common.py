@@ -1,5 +1,6 @@
 """Shared building blocks of every model family: parameter specs, checkpoint rules, config.json value
-checks, norms, rotary embeddings (every scaling variant of the dense families) and the gated MLP.
+checks, norms, rotary embeddings (every scaling variant of the dense families), the split of a fused qkv
+projection and the gated MLP.
 
 Family files import these; nothing here knows about a particular architecture.
 
@@ -325,6 +326,17 @@ def rope_frequencies(
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     scaling = rope.attention_scaling()
     return jnp.cos(angles) * scaling, jnp.sin(angles) * scaling
+
+
+def split_qkv(
+    qkv: Float[Array, "T K G+2 Dh"],
+) -> tuple[Float[Array, "T H Dh"], Float[Array, "T K Dh"], Float[Array, "T K Dh"]]:
+    """q, k and v of a fused projection grouped by kv head (for each kv head its G query heads, then its key,
+    then its value): query head k * G + g reads kv head k, as in Hugging Face's repeat_kv."""
+    num_tokens, num_kv_heads, group_and_kv, head_dim = qkv.shape
+    group = group_and_kv - 2
+    q = qkv[:, :, :group].reshape(num_tokens, num_kv_heads * group, head_dim)
+    return q, qkv[:, :, group], qkv[:, :, group + 1]
 
 
 def apply_rope(

@@ -1,11 +1,24 @@
 """Pallas (Triton backend) kernels of jaxserve and their pure-jnp references.
 
-Public entry points (DESIGN.md, Kernels): `ragged_paged_attention` and `write_kv`, each with a
-`*_reference` of the same signature that serves the `attention_backend="xla"` path and the tests.
+Public entry points (DESIGN.md, Kernels): `ragged_paged_attention`, `write_kv`, `rope_write_kv` (rope on
+q and k and the K/V write, from a fused qkv projection) and `add_rms_norm`, each with a `*_reference` of the
+same signature that serves the `attention_backend="xla"` path and the tests.
+`rope_write_kv` and `add_rms_norm` are not yet called by the models (see docs/kernel_notes.md).
 """
 
+from .add_rms_norm import add_rms_norm, add_rms_norm_reference
 from .attention import ragged_paged_attention
-from .reference import ragged_paged_attention_reference, write_kv_reference
+from .reference import ragged_paged_attention_reference, rope_write_kv_reference, write_kv_reference
+from .rope_write_kv import rope_write_kv
 from .write_kv import write_kv
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "write_kv", "write_kv_reference"]
+__all__ = [
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "rope_write_kv",
+    "rope_write_kv_reference",
+    "write_kv",
+    "write_kv_reference",
+]

@@ -140,3 +140,32 @@ def check_write_inputs(k_cache, v_cache, k_new, v_new, slot_mapping) -> None:
             raise TypeError(f"{name} dtype must be one of float32, bfloat16, float16, got {x.dtype}")
     if k_new.dtype != k_cache.dtype or v_new.dtype != v_cache.dtype:
         raise TypeError(f"k_new/v_new ({k_new.dtype}/{v_new.dtype}) must have the cache's dtype ({k_cache.dtype})")
+
+
+def check_rope_write_inputs(k_cache, v_cache, qkv, cos, sin, slot_mapping) -> None:
+    """Validate rope_write_kv's inputs: qkv [T, K, G+2, Dh] with the cache's K and Dh (Dh even), float32
+    cos and sin [T, Dh/2], int32 slots [T]."""
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must be equal [N, Bs, K, Dh], got {k_cache.shape} and {v_cache.shape}")
+    if qkv.ndim != 4:
+        raise ValueError(f"qkv must be [T, K, G+2, Dh], got shape {qkv.shape}")
+    num_tokens, num_kv_heads, group_and_kv, head_dim = qkv.shape
+    if (num_kv_heads, head_dim) != k_cache.shape[2:]:
+        raise ValueError(f"qkv's [K, Dh]=[{num_kv_heads}, {head_dim}] do not match the cache's {k_cache.shape[2:]}")
+    if group_and_kv < 3:
+        raise ValueError(f"qkv.shape[2] must be G+2 >= 3 (G query heads, a key, a value), got {group_and_kv}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (rope rotates pairs), got {head_dim}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.shape != (num_tokens, head_dim // 2):
+            raise ValueError(f"{name} must be [T, Dh/2]=[{num_tokens}, {head_dim // 2}], got shape {x.shape}")
+        if jnp.dtype(x.dtype) != jnp.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [T]=[{num_tokens}], got shape {slot_mapping.shape}")
+    _check_int32("slot_mapping", slot_mapping)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("qkv", qkv)):
+        if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"{name} dtype must be one of float32, bfloat16, float16, got {x.dtype}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have one dtype")

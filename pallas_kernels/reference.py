@@ -1,9 +1,12 @@
-"""Pure-jnp references of the kernels: `ragged_paged_attention_reference` and `write_kv_reference`.
+"""Pure-jnp references of the kernels: `ragged_paged_attention_reference`, `write_kv_reference` and
+`rope_write_kv_reference`.
 
 They have the kernels' signatures and semantics (DESIGN.md, Flat token batch and KV cache) and serve
 as the `attention_backend="xla"` path and as the tests' oracle. Attention is computed in float32 per
 query token over the whole block-table width of its sequence, masked to the causal (and window)
-range; tokens are processed in chunks so the gathered keys stay within a fixed memory budget.
+range; tokens are processed in chunks so the gathered keys stay within a fixed memory budget. The
+rope reference is the model's own code (`models.common.split_qkv` and `apply_rope`), so the kernel is
+held to what a layer computed before it existed.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from .checks import check_attention_inputs, check_options, check_write_inputs
+from models.common import apply_rope, split_qkv
+
+from .checks import check_attention_inputs, check_options, check_rope_write_inputs, check_write_inputs
 from .tuning import check_tuning_keys
 
 
@@ -151,3 +156,21 @@ def write_kv_reference(
     """Scatter the step's new K/V rows to cache slot `slot_mapping[t]` (= block * Bs + offset)."""
     check_write_inputs(k_cache, v_cache, k_new, v_new, slot_mapping)
     return _write(k_cache, v_cache, k_new, v_new, slot_mapping)
+
+
+def rope_write_kv_reference(
+    k_cache: Float[Array, "N Bs K Dh"],
+    v_cache: Float[Array, "N Bs K Dh"],
+    qkv: Float[Array, "T K G+2 Dh"],
+    cos: Float[Array, "T Dh/2"],
+    sin: Float[Array, "T Dh/2"],
+    slot_mapping: Int[Array, " T"],
+) -> tuple[Float[Array, "T H Dh"], Float[Array, "N Bs K Dh"], Float[Array, "N Bs K Dh"]]:
+    """q, k and v sliced out of qkv, rope on q and k (in float32, rounded to qkv's dtype), every row cast to
+    the cache's dtype and k, v written to slot `slot_mapping[t]`; returns (q, k_cache, v_cache)."""
+    check_rope_write_inputs(k_cache, v_cache, qkv, cos, sin, slot_mapping)
+    q, k, v = split_qkv(qkv)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    dtype = k_cache.dtype
+    k_cache, v_cache = write_kv_reference(k_cache, v_cache, k.astype(dtype), v.astype(dtype), slot_mapping)
+    return q.astype(dtype), k_cache, v_cache
