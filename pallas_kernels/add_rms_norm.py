@@ -29,7 +29,7 @@ from models.common import rms_norm
 
 from .checks import FLOAT_DTYPES
 from .common import filter_triton_deprecation
-from .tuning import next_power_of_2
+from .tuning import check_power_of_two, next_power_of_2
 
 MAX_DIM = 8192
 # Values per tile the default tiling aims at: one row of an 8B model (D=4096) per program, several rows
@@ -128,8 +128,7 @@ def add_rms_norm(
     `default_num_warps`)."""
     check_add_norm_inputs(x, delta, weight, eps)
     block_rows = default_block_rows(x.shape[1]) if block_rows is None else block_rows
-    if not (isinstance(block_rows, int) and block_rows >= 1 and block_rows & (block_rows - 1) == 0):
-        raise ValueError(f"block_rows must be a power of two >= 1, got {block_rows!r}")
+    check_power_of_two("block_rows", block_rows)
     num_warps = default_num_warps(block_rows, x.shape[1]) if num_warps is None else num_warps
     if num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps!r}")

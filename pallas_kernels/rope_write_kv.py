@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 
 from .checks import check_rope_write_inputs
 from .common import and_mask, filter_triton_deprecation
-from .tuning import next_power_of_2
+from .tuning import check_power_of_two, next_power_of_2
 
 # Elements of qkv a program reads per warp: the launch's num_warps grows with the tile (block_t * (G+2)
 # * Dh) so that each thread holds about this many, not hundreds, in registers.
@@ -153,12 +153,10 @@ def rope_write_kv(
     """
     check_rope_write_inputs(k_cache, v_cache, qkv, cos, sin, slot_mapping)
     block_t = default_block_t(qkv.shape[0]) if block_t is None else block_t
-    if block_t < 1 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 1, got {block_t}")
+    check_power_of_two("block_t", block_t)
     if num_warps is None:
         num_warps = default_num_warps(block_t, qkv.shape[2] - 2, qkv.shape[3])
-    if num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 16:
-        raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps}")
+    check_power_of_two("num_warps", num_warps, 1, 16)
     filter_triton_deprecation()
     return _rope_write(
         k_cache, v_cache, qkv, cos, sin, slot_mapping, interpret=interpret, block_t=block_t, num_warps=num_warps

@@ -19,19 +19,18 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def _is_power_of_2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def _check_pow2(name: str, value: int, low: int, high: int) -> None:
-    if not (_is_power_of_2(value) and low <= value <= high):
-        raise ValueError(f"{name} must be a power of two in [{low}, {high}], got {value}")
+def check_power_of_two(name: str, value: int, low: int = 1, high: int | None = None) -> None:
+    """ValueError naming `name` unless value is an int power of two in [low, high] (no upper bound: None)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value & (value - 1) == 0
+    if not (ok and low <= value and (high is None or value <= high)):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be a power of two {bounds}, got {value!r}")
 
 
 def _check_launch(prefix: str, block_n: int, num_warps: int, num_stages: int) -> None:
     """The fields both tilings have; `prefix` makes the names those of the tuning keywords."""
-    _check_pow2(f"{prefix}block_n", block_n, 16, 256)
-    _check_pow2(f"{prefix}num_warps", num_warps, 1, 16)
+    check_power_of_two(f"{prefix}block_n", block_n, 16, 256)
+    check_power_of_two(f"{prefix}num_warps", num_warps, 1, 16)
     if not 1 <= num_stages <= 6:
         raise ValueError(f"{prefix}num_stages must be in [1, 6], got {num_stages}")
 
@@ -50,7 +49,7 @@ class MixedTiling:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        _check_pow2("block_m", self.block_m, 16, 256)
+        check_power_of_two("block_m", self.block_m, 16, 256)
         _check_launch("", self.block_n, self.num_warps, self.num_stages)
 
 
@@ -69,7 +68,7 @@ class DecodeTiling:
     eager_pages: bool = True  # one-tile splits read their page ids before kv_len arrives (see DecodeParams)
 
     def __post_init__(self) -> None:
-        _check_pow2("num_splits", self.num_splits, 1, 256)
+        check_power_of_two("num_splits", self.num_splits, 1, 256)
         _check_launch("decode_", self.block_n, self.num_warps, self.num_stages)
 
 

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from .checks import check_write_inputs
 from .common import filter_triton_deprecation
-from .tuning import next_power_of_2
+from .tuning import check_power_of_two, next_power_of_2
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,6 @@ def write_kv(
 ) -> tuple[Float[Array, "N Bs K Dh"], Float[Array, "N Bs K Dh"]]:
     """Write k_new[t], v_new[t] to cache slot slot_mapping[t]; returns the updated (k_cache, v_cache)."""
     check_write_inputs(k_cache, v_cache, k_new, v_new, slot_mapping)
-    if block_t < 1 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 1, got {block_t}")
+    check_power_of_two("block_t", block_t)
     filter_triton_deprecation()
     return _write(k_cache, v_cache, k_new, v_new, slot_mapping, interpret=interpret, block_t=block_t)
