@@ -1,9 +1,12 @@
-"""Attention inside a model's forward: the KV cache types, their metadata, and the one dispatch function.
+"""Attention inside a model's forward: the KV cache types, their metadata, and the dispatch functions.
 
-A family's forward calls `attention(...)` once per layer. Which implementation runs is decided by
-the type of the attention metadata (and of the cache that goes with it); today that is the dense
-reference path below. The paged path (the Pallas kernel over a block table) adds its own metadata
-type and one branch in `attention`, nowhere else.
+A family's forward calls `attention(...)` (q, k and v apart) or `rope_attention(...)` (the fused qkv
+projection's output, rope applied inside) once per layer, and `add_norm(...)` for each residual add and the
+norm after it. Which implementation runs is decided by the type of the attention metadata (and of the
+cache that goes with it): the dense reference path below, or the paged path over a block table, whose
+`backend` picks the Pallas kernels or their jnp references. On the paged pallas backend a layer runs
+`rope_write_kv` (slices, rope and the K/V write in one launch) then the attention kernel, and each
+residual add is one `add_rms_norm` launch; everywhere else the same arithmetic runs as XLA ops.
 
 Dense reference path: a contiguous cache per sequence, `DenseKVCache(k, v)`, each [L, B, S, K, Dh]
 for the whole model, which every layer receives whole and indexes by its layer number. A flat batch of
@@ -27,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
-from models.common import ParamSpec
+from models.common import ParamSpec, apply_rope, split_qkv
+from pallas_kernels.add_rms_norm import MAX_DIM as NORM_MAX_DIM
 from sharding.mesh import MODEL_AXIS
 from sharding.rules import partition_spec
 
@@ -150,6 +154,52 @@ def attention(
     )
 
 
+def rope_attention(
+    qkv: Float[Array, "T K G+2 Dh"],
+    cos: Float[Array, "T Dh/2"],
+    sin: Float[Array, "T Dh/2"],
+    positions: Int[Array, " T"],
+    kv_cache: DenseKVCache | PagedKVCache,
+    layer: Int[Array, ""],
+    meta: DenseAttentionMetadata | PagedAttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> tuple[Float[Array, "T H Dh"], DenseKVCache | PagedKVCache]:
+    """`attention` of a fused qkv projection's output (`models.common.split_qkv`'s layout) after rope on q and k.
+
+    On the paged pallas backend one kernel slices, ropes and writes (`paged_rope_attention`); elsewhere the
+    same arithmetic as XLA ops (`split_qkv`, `apply_rope`, then `attention`).
+    """
+    if isinstance(meta, PagedAttentionMetadata) and meta.backend == "pallas" and isinstance(kv_cache, PagedKVCache):
+        return paged_rope_attention(
+            qkv, cos, sin, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window
+        )
+    q, k, v = split_qkv(qkv)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return attention(q, k, v, positions, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+
+
+def add_norm(
+    x: Float[Array, "T D"],
+    delta: Float[Array, "T D"],
+    weight: Float[Array, " D"],
+    eps: float,
+    meta: DenseAttentionMetadata | PagedAttentionMetadata,
+) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the next block's norm, one `add_rms_norm` launch
+    on the paged pallas backend (the step's kernels are chosen by its attention metadata), XLA ops elsewhere."""
+    if not (isinstance(meta, PagedAttentionMetadata) and meta.backend == "pallas" and x.shape[-1] <= NORM_MAX_DIM):
+        return pallas_kernels.add_rms_norm_reference(x, delta, weight, eps)
+    add_and_norm = partial(pallas_kernels.add_rms_norm, eps=eps, interpret=meta.interpret)
+    if meta.mesh is not None and meta.mesh.size > 1:
+        # The residual stream is replicated over the model axis: every device runs the kernel on all of it.
+        add_and_norm = jax.shard_map(
+            add_and_norm, mesh=meta.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
+        )
+    return add_and_norm(x, delta, weight)
+
+
 def paged_attention(
     q: Float[Array, "T H Dh"],
     k: Float[Array, "T K Dh"],
@@ -161,52 +211,106 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
 ) -> tuple[Float[Array, "T H Dh"], PagedKVCache]:
-    """Scatters the step's K/V into their slots, then ragged attention over the block tables.
+    """Scatters the step's K/V into their slots, then ragged attention over the block tables."""
+    if meta.backend == "pallas":
+        write = partial(pallas_kernels.write_kv, interpret=meta.interpret)
+    elif meta.backend == "xla":
+        write = pallas_kernels.write_kv_reference
+    else:
+        raise ValueError(f"attention backend must be 'pallas' or 'xla', got {meta.backend!r}")
+    attend = _attend(meta, sm_scale, sliding_window)
+
+    def write_and_attend(k_pool, v_pool, tables, q, k, v):
+        k_pool, v_pool = write(k_pool, v_pool, k, v, tables[0])
+        return attend(q, k_pool, v_pool, *tables[1:]), k_pool, v_pool
+
+    dtype = kv_cache.k.dtype
+    new = (q.astype(dtype), k.astype(dtype), v.astype(dtype))
+    axes = (("heads", "head_dim"), ("kv_heads", "head_dim"), ("kv_heads", "head_dim"))
+    out, cache = _on_layer_pool(write_and_attend, kv_cache, layer, meta, new, axes, q.shape)
+    return out.astype(q.dtype), cache
+
+
+def paged_rope_attention(
+    qkv: Float[Array, "T K G+2 Dh"],
+    cos: Float[Array, "T Dh/2"],
+    sin: Float[Array, "T Dh/2"],
+    kv_cache: PagedKVCache,
+    layer: Int[Array, ""],
+    meta: PagedAttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> tuple[Float[Array, "T H Dh"], PagedKVCache]:
+    """`paged_attention` of the fused projection's output on the pallas backend: one `rope_write_kv` launch
+    (q, k and v sliced out, rope on q and k, the K/V write) then the attention kernel, where the unfused
+    path runs four or five small XLA kernels and `write_kv`. q comes out in the cache's dtype."""
+    if meta.backend != "pallas":
+        raise ValueError(f"paged_rope_attention runs the pallas backend's kernels, got backend {meta.backend!r}")
+    attend = _attend(meta, sm_scale, sliding_window)
+
+    def rope_write_and_attend(k_pool, v_pool, tables, qkv, cos, sin):
+        q, k_pool, v_pool = pallas_kernels.rope_write_kv(
+            k_pool, v_pool, qkv, cos, sin, tables[0], interpret=meta.interpret
+        )
+        return attend(q, k_pool, v_pool, *tables[1:]), k_pool, v_pool
+
+    num_tokens, num_kv_heads, group_and_kv, head_dim = qkv.shape
+    out_shape = (num_tokens, num_kv_heads * (group_and_kv - 2), head_dim)
+    axes = (("kv_heads", None, "head_dim"), (None,), (None,))
+    inputs = (qkv.astype(kv_cache.k.dtype), cos, sin)
+    out, cache = _on_layer_pool(rope_write_and_attend, kv_cache, layer, meta, inputs, axes, out_shape)
+    return out.astype(qkv.dtype), cache
+
+
+def _attend(meta: PagedAttentionMetadata, sm_scale: float, sliding_window: int | None):
+    """The backend's ragged attention with the step's static options bound."""
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, max_q_len=meta.max_q_len)
+    if meta.backend == "pallas":
+        return partial(pallas_kernels.ragged_paged_attention, interpret=meta.interpret, **options)
+    return partial(pallas_kernels.ragged_paged_attention_reference, **options)
+
+
+def _on_layer_pool(body, kv_cache: PagedKVCache, layer, meta: PagedAttentionMetadata, inputs, input_axes, out_shape):
+    """Runs `body(k_pool, v_pool, tables, *inputs) -> (out, k_pool, v_pool)` on layer `layer`'s part of the pool.
 
     The kernels see the pool of all layers as one [L*N, Bs, K, Dh] pool (a free reshape) in which
     layer l owns blocks l*N .. l*N + N-1, so block ids and slots are offset by l*N instead of slicing
-    the layer out. Positions are implied by kv_lens and cu_q_lens (the kernel's contract).
+    the layer out. `tables` = (slot_mapping, block_table, kv_lens, cu_q_lens, num_seqs); positions are
+    implied by kv_lens and cu_q_lens (the kernel's contract). `input_axes`: each input's logical axes after
+    its token axis; out is [T, H, Dh] of `out_shape`.
     """
-    if meta.backend == "pallas":
-        write = partial(pallas_kernels.write_kv, interpret=meta.interpret)
-        attend = partial(pallas_kernels.ragged_paged_attention, interpret=meta.interpret)
-    elif meta.backend == "xla":
-        write, attend = pallas_kernels.write_kv_reference, pallas_kernels.ragged_paged_attention_reference
-    else:
-        raise ValueError(f"attention backend must be 'pallas' or 'xla', got {meta.backend!r}")
-
-    def write_and_attend(k_pool, v_pool, q, k, v, slots, block_table, kv_lens, cu_q_lens, num_seqs):
-        k_pool, v_pool = write(k_pool, v_pool, k, v, slots)
-        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, max_q_len=meta.max_q_len)
-        out = attend(q, k_pool, v_pool, block_table, kv_lens, cu_q_lens, num_seqs, **options)
-        return out, k_pool, v_pool
-
     num_layers, num_blocks, block_size = kv_cache.k.shape[:3]
     pool_shape = (num_layers * num_blocks, *kv_cache.k.shape[2:])
     if meta.backend == "pallas" and meta.mesh is not None and meta.mesh.shape[MODEL_AXIS] > 1:
-        # Attention is independent per kv head: each device runs the kernels on its heads (q, k, v and
+        # Attention is independent per kv head: each device runs the kernels on its heads (the inputs and
         # the pool split on their head axes by the rules table, the batch's tables replicated). Needs
         # H % tp == K % tp == 0, which keeps every device's query heads with their kv head (the runner
         # checks it).
         mesh = meta.mesh
-        q_spec = partition_spec(ParamSpec(q.shape, (None, "heads", "head_dim")), mesh)
-        kv_spec = partition_spec(ParamSpec(k.shape, (None, "kv_heads", "head_dim")), mesh)
+        specs = [
+            partition_spec(ParamSpec(x.shape, (None, *axes)), mesh) for x, axes in zip(inputs, input_axes, strict=True)
+        ]
+        out_spec = partition_spec(ParamSpec(out_shape, (None, "heads", "head_dim")), mesh)
         pool = partition_spec(ParamSpec(pool_shape, (None, None, "kv_heads", "head_dim")), mesh)
-        write_and_attend = jax.shard_map(
-            write_and_attend,
+        body = jax.shard_map(
+            body,
             mesh=mesh,
-            in_specs=(pool, pool, q_spec, kv_spec, kv_spec, *[P()] * 5),
-            out_specs=(q_spec, pool, pool),
+            in_specs=(pool, pool, (P(),) * 5, *specs),
+            out_specs=(out_spec, pool, pool),
             check_vma=False,
         )
     offset = layer * num_blocks
-    dtype = kv_cache.k.dtype
     k_pool, v_pool = kv_cache.k.reshape(pool_shape), kv_cache.v.reshape(pool_shape)
-    tables = (meta.slot_mapping + offset * block_size, meta.block_table + offset, meta.kv_lens, meta.cu_q_lens)
-    new = (q.astype(dtype), k.astype(dtype), v.astype(dtype))
-    out, k_pool, v_pool = write_and_attend(k_pool, v_pool, *new, *tables, meta.num_seqs)
-    cache = PagedKVCache(k=k_pool.reshape(kv_cache.k.shape), v=v_pool.reshape(kv_cache.v.shape))
-    return out.astype(q.dtype), cache
+    tables = (
+        meta.slot_mapping + offset * block_size,
+        meta.block_table + offset,
+        meta.kv_lens,
+        meta.cu_q_lens,
+        meta.num_seqs,
+    )
+    out, k_pool, v_pool = body(k_pool, v_pool, tables, *inputs)
+    return out, PagedKVCache(k=k_pool.reshape(kv_cache.k.shape), v=v_pool.reshape(kv_cache.v.shape))
 
 
 def write_dense(

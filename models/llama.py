@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.attention import AttentionMetadata, KVCache, attention
+from models.attention import AttentionMetadata, KVCache, add_norm, attention, rope_attention
 from models.common import (
     CheckpointRule,
     ConfigKey,
@@ -44,6 +44,7 @@ from models.common import (
     place,
     rms_norm,
     rope_frequencies,
+    split_qkv,
 )
 from sharding.rules import layer_shardings
 
@@ -450,28 +451,19 @@ def attention_block(
     cfg: LlamaConfig,
 ) -> tuple[Float[Array, "T D"], KVCache]:
     """Self-attention of one layer on the normed input x."""
-    g = cfg.num_heads // cfg.num_kv_heads
     qkv = jnp.einsum("td,dkge->tkge", x, layer.wqkv)  # one GEMM for q, k and v
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
-    q = qkv[:, :, :g].reshape(x.shape[0], cfg.num_heads, cfg.head_dim)
-    k, v = qkv[:, :, g], qkv[:, :, g + 1]
-    if layer.q_norm is not None:
+    options = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+    if layer.q_norm is None:
+        out, kv_cache = rope_attention(qkv, cos, sin, positions, kv_cache, layer_index, attn_meta, **options)
+    else:
         # Qwen3 normalises each head before rope, so rope sees unit-scale vectors.
+        q, k, v = split_qkv(qkv)
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out, kv_cache = attention(
-        q,
-        k,
-        v,
-        positions,
-        kv_cache,
-        layer_index,
-        attn_meta,
-        sm_scale=cfg.head_dim**-0.5,
-        sliding_window=cfg.sliding_window,
-    )
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, kv_cache = attention(q, k, v, positions, kv_cache, layer_index, attn_meta, **options)
     return jnp.einsum("the,hed->td", out, layer.wo), kv_cache
 
 
@@ -489,15 +481,19 @@ def forward(
     layers share their compiled kernels and autotuning, so compile time stays close to a scan's."""
     x = jnp.take(weights.embed, token_ids, axis=0)
     cos, sin = rope_frequencies(cfg.rope, cfg.head_dim, positions)
+    eps = cfg.rms_norm_eps
+    # Each residual add is fused with the norm that follows it: the MLP's, then the next layer's attention
+    # norm (the final norm after the last layer).
+    next_norms = [layer.attn_norm for layer in weights.layers[1:]] + [weights.final_norm]
+    normed = rms_norm(x, weights.layers[0].attn_norm, eps)
     # The whole cache is threaded through (updated in place); each layer finds its part by index.
-    for index, layer in enumerate(weights.layers):
-        normed = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    for index, (layer, next_norm) in enumerate(zip(weights.layers, next_norms, strict=True)):
         attn_out, kv_cache = attention_block(
             layer, normed, positions, cos, sin, kv_cache, jnp.int32(index), attn_meta, cfg
         )
-        h = x + attn_out
-        x = h + gated_mlp(rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up, layer.w_down)
-    return rms_norm(x, weights.final_norm, cfg.rms_norm_eps), kv_cache
+        h, normed = add_norm(x, attn_out, layer.mlp_norm, eps, attn_meta)
+        x, normed = add_norm(h, gated_mlp(normed, layer.w_gate_up, layer.w_down), next_norm, eps, attn_meta)
+    return normed, kv_cache
 
 
 def compute_logits(weights: ServingWeights, hidden: Float[Array, "T D"], cfg: LlamaConfig) -> Float[Array, "T V"]:

@@ -3,7 +3,8 @@
 Public entry points (DESIGN.md, Kernels): `ragged_paged_attention`, `write_kv`, `rope_write_kv` (rope on
 q and k and the K/V write, from a fused qkv projection) and `add_rms_norm`, each with a `*_reference` of the
 same signature that serves the `attention_backend="xla"` path and the tests.
-`rope_write_kv` and `add_rms_norm` are not yet called by the models (see docs/kernel_notes.md).
+The paged forward on the pallas backend calls `rope_write_kv` in each layer without q/k norm and `add_rms_norm`
+after each residual add (models/attention.py, `rope_attention` and `add_norm`).
 """
 
 from .add_rms_norm import add_rms_norm, add_rms_norm_reference
