@@ -28,11 +28,9 @@ STEPS = [
 ]
 
 
-def _model(name: str):
-    from tests.models.conftest import make_tiny_hf_config
-
+def _model(name: str, tiny_hf_config):
     model_type, overrides = FAMILIES[name]
-    family, cfg = resolve(make_tiny_hf_config(model_type, **overrides))
+    family, cfg = resolve(tiny_hf_config(model_type, **overrides))
     weights = family.to_serving(family.init_weights(cfg, jax.random.key(0), jnp.float32), cfg)
     return family, cfg, weights
 
@@ -51,8 +49,8 @@ def _meta(step: dict, backend: str, interpret: bool) -> PagedAttentionMetadata:
     )
 
 
-def _run(name: str, backend: str) -> tuple[list[np.ndarray], np.ndarray]:
-    family, cfg, weights = _model(name)
+def _run(name: str, backend: str, tiny_hf_config) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    family, cfg, weights = _model(name, tiny_hf_config)
     cache = init_paged_cache(cfg, 8, 16, jnp.float32)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 31)
     logits, start = [], 0
@@ -75,8 +73,9 @@ def _run(name: str, backend: str) -> tuple[list[np.ndarray], np.ndarray]:
 # The wiring differs between layers with and without q/k norm; windows, biases and tied embeddings do not
 # reach the fused kernels (each is interpret-compiled: ~35 s a family on a 2-core CPU).
 @pytest.mark.parametrize("name", ["mistral_window", "qwen3_qk_norm"])
-def test_pallas_forward_matches_xla(name: str) -> None:
-    (pallas_logits, pallas_k, pallas_v), (xla_logits, xla_k, xla_v) = _run(name, "pallas"), _run(name, "xla")
+def test_pallas_forward_matches_xla(name: str, tiny_hf_config) -> None:
+    pallas_logits, pallas_k, pallas_v = _run(name, "pallas", tiny_hf_config)
+    xla_logits, xla_k, xla_v = _run(name, "xla", tiny_hf_config)
     for ours, want in zip(pallas_logits, xla_logits, strict=True):
         np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # The second layer's K/V come from the first layer's output: float32 sums in another order.
@@ -96,8 +95,8 @@ def _kernel_calls(jaxpr, counts: collections.Counter) -> collections.Counter:
 
 
 @pytest.mark.parametrize("name", ["llama3_tied", "qwen3_qk_norm"])
-def test_pallas_forward_calls_the_fused_kernels(name: str) -> None:
-    family, cfg, weights = _model(name)
+def test_pallas_forward_calls_the_fused_kernels(name: str, tiny_hf_config) -> None:
+    family, cfg, weights = _model(name, tiny_hf_config)
     cache = init_paged_cache(cfg, 8, 16, jnp.float32)
     meta = _meta(STEPS[1], "pallas", interpret=False)
     ids = jnp.asarray([1, 2], jnp.int32)
