@@ -171,13 +171,18 @@ def rope_attention(
     On the paged pallas backend one kernel slices, ropes and writes (`paged_rope_attention`); elsewhere the
     same arithmetic as XLA ops (`split_qkv`, `apply_rope`, then `attention`).
     """
-    if isinstance(meta, PagedAttentionMetadata) and meta.backend == "pallas" and isinstance(kv_cache, PagedKVCache):
+    if _runs_pallas(meta) and isinstance(kv_cache, PagedKVCache):
         return paged_rope_attention(
             qkv, cos, sin, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window
         )
     q, k, v = split_qkv(qkv)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return attention(q, k, v, positions, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+
+
+def _runs_pallas(meta: DenseAttentionMetadata | PagedAttentionMetadata) -> bool:
+    """Whether the step runs the Pallas kernels: a paged step on the pallas backend."""
+    return isinstance(meta, PagedAttentionMetadata) and meta.backend == "pallas"
 
 
 def add_norm(
@@ -189,7 +194,7 @@ def add_norm(
 ) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
     """(x + delta, rms_norm(x + delta)): the residual add and the next block's norm, one `add_rms_norm` launch
     on the paged pallas backend (the step's kernels are chosen by its attention metadata), XLA ops elsewhere."""
-    if not (isinstance(meta, PagedAttentionMetadata) and meta.backend == "pallas" and x.shape[-1] <= NORM_MAX_DIM):
+    if not (_runs_pallas(meta) and x.shape[-1] <= NORM_MAX_DIM):
         return pallas_kernels.add_rms_norm_reference(x, delta, weight, eps)
     add_and_norm = partial(pallas_kernels.add_rms_norm, eps=eps, interpret=meta.interpret)
     if meta.mesh is not None and meta.mesh.size > 1:
