@@ -343,16 +343,15 @@ def test_an_auto_engine_lowers_max_batch_size_to_what_the_pool_holds(
     monkeypatch, tiny_model, char_tokenizer, kv_tokens, expected
 ):
     """On an accelerator (faked memory statistics) the engine profiles at the upper bound, sizes the pool
-    (here capped by kv_cache.max_tokens), then compiles its buckets for the size the pool holds."""
+    (here capped by kv_cache.max_tokens), then builds its step table for the size the pool holds (lazily
+    started: the table is what warmup would compile; compiling all of it on a CPU adds nothing here)."""
     from jaxserve.config import CompileConfig, make_engine_config
     from jaxserve.engine import Engine
 
     monkeypatch.setattr(capacity, "device_memory", lambda device: (40 * GB, GB))
     monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: GB)
     model = tiny_model("llama")
-    buckets = CompileConfig(
-        decode_batch_sizes=(1, 256, 1024), token_buckets=(1024,), penalty_variants=False, lazy=False
-    )
+    buckets = CompileConfig(decode_batch_sizes=(1, 256, 1024), token_buckets=(1024,), penalty_variants=False, lazy=True)
     config = make_engine_config(
         model.hf_config,
         max_batch_size=1024,
@@ -366,5 +365,6 @@ def test_an_auto_engine_lowers_max_batch_size_to_what_the_pool_holds(
     engine = Engine(model.family, model.config, model.weights, char_tokenizer(), config, show_progress=False)
     assert engine.config.max_batch_size == expected and not engine.config.auto_max_batch_size
     assert engine.buckets.max_batch_size == expected and engine.buckets.decode_batch_sizes[-1] == expected
-    assert {b.num_seqs for b, _ in engine.runner.compiled_steps} == {1, 256, expected}
+    assert {b.num_seqs for b, _ in engine.runner.spec.steps.compiled_steps()} == {1, 256, expected}
+    assert engine.runner.lazy and engine.runner.num_executables == 0
     assert engine.runner._previous.shape == (expected,)
