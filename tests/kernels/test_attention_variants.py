@@ -11,6 +11,8 @@ import pytest
 
 import pallas_kernels as pk
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # conftest.py says why
+
 TOL = 1e-5  # float32 throughout
 SCALE = 0.125
 
@@ -48,8 +50,16 @@ DECODE_TILINGS = [
 ]
 
 
-@pytest.mark.parametrize(("tuning", "masks"), DECODE_TILINGS)
-@pytest.mark.parametrize("max_q_len", [None, 1])
+# max_q_len=1 (the decode buckets' launch alone) on every tiling, with the masks where listed; max_q_len=None
+# (a batch that could hold prefill rows: the mixed launch runs too) plain on the tilings listed with masks. The
+# masks through the mixed launch are test_window_and_soft_cap's.
+DECODE_CASES = [pytest.param(tuning, masks, 1, id=f"decode-{i}") for i, (tuning, masks) in enumerate(DECODE_TILINGS)]
+DECODE_CASES += [
+    pytest.param(tuning, False, None, id=f"mixed-{i}") for i, (tuning, masks) in enumerate(DECODE_TILINGS) if masks
+]
+
+
+@pytest.mark.parametrize(("tuning", "masks", "max_q_len"), DECODE_CASES)
 def test_decode_splits(tuning, masks, max_q_len, paged_batch, numpy_attention, rel_err):
     """Decode-only batch with padding sequences inside num_seqs (kv_len 0) and padding rows and tokens after
     it; with max_q_len=1 the decode launch alone writes every row (interpret mode NaN-fills outputs, so an

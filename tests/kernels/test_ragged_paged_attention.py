@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 import pallas_kernels as pk
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # conftest.py says why
+
 # Relative error bounds (||out - oracle|| / ||oracle||). float32 is exact up to summation order; the
 # half types round the output and, in the kernel, the probabilities before the P.V product.
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}

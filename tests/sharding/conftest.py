@@ -17,6 +17,7 @@ import pytest
 
 def _run_with_host_devices(script: str, num_devices: int = 4, timeout: int = 900) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
