@@ -11,20 +11,23 @@ from __future__ import annotations
 import pytest
 
 # Longest first (seconds on a 2-core CPU with two workers, slowest tests of a CI run): the notebooks
-# (~240), the default model's engine and GGUF tests (~180, ~80), the 4-device sharding fixtures (~60-100
-# each), the CLI on the default model (~110), the lazy engine (~95), the recorded tokens (~55).
+# (~230), the default model's engine and GGUF tests (~100, ~80), the CLI on the default model (~105), the lazy
+# engine (~95), the recorded tokens and lm-eval's comparison with the hf model (~58 each), the 4-device
+# sharding fixtures (~20-50 each), the server's load test (~40).
 LONGEST_FIRST = (
     "tests/test_notebooks.py",
     "tests/engine/test_engine.py",
     "tests/test_cli.py",
-    "tests/sharding/test_kv_cache_sharding.py",
     "tests/engine/test_lazy.py",
     "tests/models/test_gguf.py",
-    "tests/sharding/test_sharded_pallas.py",
-    "tests/sharding/test_data_parallel.py",
-    "tests/sharding/test_sharded_forward.py",
     "tests/engine/test_recorded_tokens.py",
+    "tests/integrations/test_lm_eval.py",
+    "tests/sharding/test_data_parallel.py",
+    "tests/sharding/test_sharded_pallas.py",
+    "tests/server/test_load.py",
+    "tests/sharding/test_sharded_forward.py",
     "tests/kernels/test_attention_variants.py",
+    "tests/sharding/test_kv_cache_sharding.py",
 )
 
 
