@@ -8,7 +8,8 @@
 #   bash benchmarks/h200_engine.sh latency   # jaxserve bench latency, 8B shape, batch 1 / 8 / 32 (default settings)
 #   bash benchmarks/h200_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
 #   bash benchmarks/h200_engine.sh long      # jaxserve bench throughput: 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
-#   bash benchmarks/h200_engine.sh serve     # jaxserve serve under 256 streaming clients (--stream-interval 1, 8), then bench on the same engine settings, all at once and 256 at a time
+#   bash benchmarks/h200_engine.sh serve     # jaxserve serve under 256 streaming clients (--stream-interval 8, 1), then bench on the same engine settings
+#                                            # (SERVE_MODE=thread: --engine-thread; INTERVALS="8": one run; NO_BENCH=1: no bench)
 # `latency`, `throughput` and `long` each fit one device call; `throughput` starts from an empty cache
 # ($JAXSERVE_CACHE/xla removed) so its first run is the cold warmup.
 # Results: one JSON line per run in $OUT/results.jsonl (stdout), full logs in $OUT/*.log; `profile` writes
@@ -83,10 +84,11 @@ case "${1:-}" in
     bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
     bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
     ;;
-  serve)
+  serve)  # SERVE_MODE=thread: the engine in a thread of the server process (--engine-thread)
     S=(--random-weights llama-3.1-8b --served-model-name llama-3.1-8b --port 8000 --max-batch-size 256 --max-seq-len 256 --no-penalty-variants)
+    [ "${SERVE_MODE:-process}" = thread ] && S+=(--engine-thread)
     C=(--model llama-3.1-8b --num-clients 256 --num-requests 1024 --input-len 128 --output-len 128 --processes 4 --json)
-    for interval in 1 8; do
+    for interval in ${INTERVALS:-8 1}; do
       echo "== jaxserve serve ${S[*]} --stream-interval $interval; python benchmarks/serve_load.py ${C[*]}"
       python3 -m jaxserve.cli serve "${S[@]}" --stream-interval "$interval" >/dev/null 2>"$OUT/serve_$interval.log" &
       server=$!
@@ -96,8 +98,7 @@ case "${1:-}" in
       kill -INT $server; wait $server
     done
     B=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128 --max-batch-size 256)
-    bench_run t1024_at_256 120 "${B[@]}"
-    bench_run t1024_256_clients 120 "${B[@]}" --max-concurrency 256  # the clients' closed loop, without HTTP
+    [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256 120 "${B[@]}"
     ;;
   *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long|serve" >&2; exit 2 ;;
 esac

@@ -490,6 +490,12 @@ def _add_serve_parser(commands: Any) -> None:
         help="a stream sends its first token at once, then a chunk every N tokens (and the last one): "
         "larger N costs the server less per token at many concurrent streams (default: 1)",
     )
+    server.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine in a thread of the server process, sharing its GIL with the HTTP front end "
+        "(default: in a process of its own; multi-host runs always use the thread)",
+    )
     multihost = parser.add_argument_group(
         "multi-host (every process runs the same command; process 0 serves HTTP, the others follow it)"
     )
@@ -528,19 +534,28 @@ def _add_serve_parser(commands: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    """Builds the engine, serves until SIGINT / SIGTERM, frees the engine. In a multi-process run every
-    process builds it; the processes but 0 follow process 0's steps until it stops."""
+    """Builds the engine, serves until SIGINT / SIGTERM, frees the engine. The engine runs in a process of
+    its own (EngineProcess) unless --engine-thread, or in a multi-process run, where every process builds it
+    in-process and the processes but 0 follow process 0's steps until it stops."""
     from jaxserve import distributed
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.launch import serve
 
+    config = ServerConfig(
+        args.served_model_name or served_name(args), args.api_key, args.max_request_bytes, args.stream_interval
+    )
+    if args.coordinator is None and not args.engine_thread:
+        from jaxserve.server.engine_process import EngineProcess
+
+        with EngineProcess(served_engine, args, log_level=logging.getLogger().getEffectiveLevel()) as engine:
+            serve(engine, args.host, args.port, config)
+        return
     if args.coordinator is not None:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    llm, name = served_llm(args)
+    llm, _ = served_llm(args)
     if not distributed.is_leader():
         llm.follow()
         return
-    config = ServerConfig(args.served_model_name or name, args.api_key, args.max_request_bytes, args.stream_interval)
     try:
         serve(llm, args.host, args.port, config)
     finally:
@@ -566,18 +581,27 @@ def _validate_multihost(args: argparse.Namespace, parser: argparse.ArgumentParse
         parser.error(re.sub("|".join(names), lambda match: names[match.group(0)], str(error)))
 
 
+def served_name(args: argparse.Namespace) -> str:
+    """The model's name, what clients send as 'model' unless --served-model-name."""
+    return args.random_weights if args.random_weights is not None else args.model
+
+
+def served_engine(args: argparse.Namespace) -> Any:
+    """The LLM `jaxserve serve` serves (what the engine process builds)."""
+    return served_llm(args)[0]
+
+
 def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
     """The LLM `jaxserve serve` serves, and the model's name (what clients send unless --served-model-name)."""
     from jaxserve import capacity
     from jaxserve.llm import LLM
 
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
-    model, tokenizer, name = args.model, None, args.model
+    model, tokenizer = args.model, None
     if args.random_weights is not None:
         from jaxserve import bench
 
         model, tokenizer = bench.random_model(args.random_weights, args.dtype), bench.IdTextTokenizer()
-        name = args.random_weights
     llm = LLM(
         model,
         tokenizer=tokenizer,
@@ -591,7 +615,7 @@ def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
         seed=args.seed,
         show_progress=args.verbose,
     )
-    return llm, name
+    return llm, served_name(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

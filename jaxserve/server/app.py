@@ -1,4 +1,5 @@
-"""The FastAPI application of `jaxserve serve`: vLLM's OpenAI-compatible routes over one `AsyncEngine`.
+"""The FastAPI application of `jaxserve serve`: vLLM's OpenAI-compatible routes over one `AsyncEngine`
+(the engine in a thread of this process, or in its own process: `frontend`).
 
     POST /v1/completions, /v1/chat/completions   (whole responses, or server-sent events with stream=true)
     GET  /v1/models, /health, /version, /tokenizer_info, /metrics
@@ -29,13 +30,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from jaxserve.llm import LLM
 from jaxserve.sampling import RequestOutput
 from jaxserve.server import protocol
-from jaxserve.server.config import ServerConfig
+from jaxserve.server.config import ServedModel, ServerConfig
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.frontend import AsyncEngine, RequestGroup, StepFailed, Unavailable
-from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.params import EngineInputs, EngineLimits, chat_inputs, completion_inputs
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from jaxserve.server.responses import (
@@ -71,9 +71,10 @@ class EventStream(StreamingResponse):
             await self._events.aclose()
 
 
-def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    """The application over `llm`'s engines (its replicas); its lifespan starts and stops the engine thread."""
-    server = OpenAIServer(llm, config)
+def build_app(model: ServedModel, frontend: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The application serving `model` through `frontend`; its lifespan starts and stops the front end's
+    engine driver (an engine thread, or the engine process's loop)."""
+    server = OpenAIServer(model, frontend, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,17 +106,16 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
 class OpenAIServer:
     """The routes' state: the engine's front end, its tokenizer and limits, and the metrics."""
 
-    def __init__(self, llm: LLM, config: ServerConfig) -> None:
+    def __init__(self, model: ServedModel, frontend: AsyncEngine, config: ServerConfig) -> None:
         self.config = config
         self.model_name = config.served_model_name
-        self.tokenizer = llm.tokenizer
-        self.max_seq_len = llm.config.max_seq_len
-        steps = llm.engine.steps
+        self.tokenizer = model.tokenizer
+        self.max_seq_len = model.max_seq_len
         self.limits = EngineLimits(
-            llm.config.max_seq_len, llm.engine.vocab_size, steps.prompt_logprob_variants, steps.penalty_variants
+            model.max_seq_len, model.vocab_size, model.prompt_logprob_variants, model.penalty_variants
         )
-        self.frontend = AsyncEngine(llm.engines, ServerMetrics(self.model_name))
-        self.model_source = llm.model.source
+        self.frontend = frontend
+        self.model_source = model.source
         self.created = int(time.time())
 
     # ---- /v1 -------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class OpenAIServer:
 
     async def health(self) -> Response:
         if not self.frontend.is_running:
-            raise APIError(503, "the engine thread is not running")
+            raise APIError(503, "the engine is not running")
         return Response(status_code=200)
 
     async def version(self) -> dict[str, str]:

@@ -1,9 +1,13 @@
-"""The server's own settings (the engine's are the `LLM` keywords); importable without fastapi, so the
-command line can show their defaults."""
+"""The server's own settings (the engine's are the `LLM` keywords) and what it knows of the served model;
+importable without fastapi, so the command line can show their defaults."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxserve.llm import LLM
 
 # Larger bodies are refused with a 413 (a batch of 512 prompts of 2k token ids each is about 6 MB).
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
@@ -31,3 +35,31 @@ class ServerConfig:
         interval = self.stream_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {interval!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the HTTP front end needs of the engine's model, without the engine (which may run in another
+    process): the tokenizer, the length limit and vocabulary, the compiled variants, the model's source
+    and the number of data-parallel replicas. Picklable."""
+
+    tokenizer: Any
+    max_seq_len: int
+    vocab_size: int
+    prompt_logprob_variants: bool
+    penalty_variants: bool
+    source: str | None
+    num_replicas: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> ServedModel:
+        steps = llm.engine.steps
+        return cls(
+            llm.tokenizer,
+            llm.config.max_seq_len,
+            llm.engine.vocab_size,
+            steps.prompt_logprob_variants,
+            steps.penalty_variants,
+            llm.model.source,
+            len(llm.engines),
+        )

@@ -1,31 +1,37 @@
-"""The async front end: asyncio request handlers over one engine thread, which drives every replica.
+"""The async front end: asyncio request handlers over an engine driver, which steps every replica.
 
-    handler --Engine.submit / submit_abort (thread-safe inbox)--> engine thread: step() while anything runs
-    engine thread --loop.call_soon_threadsafe(outputs)--> the RequestGroup of each output (asyncio)
+    handler --backend.submit / abort--> EngineDriver (thread-safe): step() while anything runs
+    EngineDriver --events ("step", "failed", "ended")--> AsyncEngine on the event loop --> RequestGroups
 
-Data parallelism: the engines are the LLM's replicas (`llm.engines`). A new request goes to the replica with
-the fewest unfinished sequences, the LLM's rule (`least_loaded`), counted here on the event loop thread from
-what was submitted and has not finished yet (a replica's scheduler does not see a submission before its next
-step, so its own counts would send a burst of requests to one replica); an abort goes to the replica that
-owns the request. The request ids are the server's, unique across replicas. Each round of the engine thread
-steps every replica with work: a step dispatches its device work before it reads back the previous one's
-tokens, so the replicas' devices run at once. The metrics are summed over the replicas (KV usage: averaged).
+The driver runs in one of two places (the backend):
+- `EngineThread`: a thread of the server process, over the `LLM` it was given (`make_server(llm, ...)`,
+  notebooks, the tests). Its events reach the loop through `call_soon_threadsafe`. The driver and the event
+  loop share one GIL: while many clients stream, the loop holds it most of the time and the steps stretch
+  (docs/benchmarks.md, "Serving"); while the thread runs, the switch interval is short (`jaxserve.gil`).
+- `jaxserve.server.engine_process.EngineProcess`: a process of its own (what `jaxserve serve` runs, as
+  vLLM's engine core), with requests and events over a pipe, so the HTTP front end and the engine each
+  have a GIL.
 
-The engine thread sleeps on a condition while no replica has anything to do (no busy loop) and is woken by
-every submission and abort. An HTTP request's prompts are one RequestGroup: its outputs are cumulative
-(the text so far), so the group keeps only the newest of each request and a slow reader gets one bigger
-delta instead of a queue. Closing a group before its requests finish (a client gone, a cancelled
-handler) aborts them; their blocks are freed at the next step.
+Data parallelism: the engines are the LLM's replicas. A new request goes to the replica with the fewest
+unfinished sequences, the LLM's rule (`least_loaded`), counted here on the event loop thread from what was
+submitted and has not finished yet (a replica's scheduler does not see a submission before its next step,
+so its own counts would send a burst of requests to one replica); an abort goes to the replica that owns
+the request. The request ids are the server's, unique across replicas. Each round of the driver steps
+every replica with work: a step dispatches its device work before it reads back the previous one's
+tokens, so the replicas' devices run at once. The metrics are summed over the replicas (KV usage:
+averaged), from the `ReplicaStats` each round reports.
 
-A step that raises does not end the thread: the engine recovers (its `_recover`), the requests it had
-admitted fail with a StepFailed error (a 500) and are aborted, and the engine serves on; the other replicas'
-requests are not touched. `shut_down` stops accepting and fails what is in flight with Unavailable (a 503);
-`stop` drains and ends the thread. Should the thread itself end on an error, every request in flight fails
-with Unavailable too.
+The driver sleeps on a condition while no replica has anything to do (no busy loop) and is woken by every
+submission and abort. An HTTP request's prompts are one RequestGroup: its outputs are cumulative (the text
+so far), so the group keeps only the newest of each request and a slow reader gets one bigger delta
+instead of a queue. Closing a group before its requests finish (a client gone, a cancelled handler)
+aborts them; their blocks are freed at the next step.
 
-The GIL: the engine thread gives the GIL up several times a step (each dispatch, each wait for the device)
-and takes it back from the event loop thread, which is busy while many clients stream; while the engine
-thread runs, the switch interval is short (`jaxserve.gil`; restored by `stop`).
+A step that raises does not end the driver: the engine recovers (its `_recover`), the requests it had
+admitted fail with a StepFailed error (a 500) and are aborted, and the engine serves on; the other
+replicas' requests are not touched. `shut_down` stops accepting and fails what is in flight with
+Unavailable (a 503); `stop` drains and ends the driver. Should the driver itself end on an error (or the
+engine process exit), every request in flight fails with Unavailable too.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxserve import gil
 from jaxserve.llm import least_loaded
@@ -48,6 +56,10 @@ if TYPE_CHECKING:
     from jaxserve.engine import Engine
 
 logger = logging.getLogger(__name__)
+
+# An event of the driver, as the front end receives it: ("step", outputs, stats), ("failed", request_ids,
+# message) or ("ended", message).
+Event = tuple[Any, ...]
 
 
 class StepFailed(RuntimeError):
@@ -118,44 +130,243 @@ class RequestGroup:
         self._release(self, [i for i in self.request_ids if i in self._unfinished])
 
 
-class AsyncEngine:
-    """The replicas' engines (one without data parallelism), stepped by one thread, shared by the asyncio
-    handlers of one event loop."""
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """One replica's scheduler and KV pool after a round of steps (what the metrics read)."""
 
-    def __init__(self, engines: Sequence[Engine], metrics: ServerMetrics) -> None:
+    running: int
+    waiting: int
+    kv_usage: float
+    queried_tokens: int
+    hit_tokens: int
+    preemptions: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> ReplicaStats:
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        return cls(
+            scheduler.num_running,
+            scheduler.num_waiting,
+            blocks.usage,
+            blocks.stats.queried_tokens,
+            blocks.stats.hit_tokens,
+            scheduler.num_preemptions,
+        )
+
+
+class EngineDriver:
+    """Steps the replicas' engines while any has work, and reports each round through `emit(*event)`.
+
+    submit / abort / request_stop are thread-safe; `run` is the loop (one thread). emit is called from
+    the driver's thread, in order: ("step", outputs, stats) after each round with outputs, ("failed",
+    request_ids, message) when a step failed and those requests were aborted, ("ended", message) when the
+    loop ends on an error."""
+
+    def __init__(self, engines: Sequence[Engine], emit: Callable[..., None]) -> None:
         if not engines:
-            raise ValueError("AsyncEngine needs at least one engine")
+            raise ValueError("EngineDriver needs at least one engine")
         self.engines = list(engines)
-        self.metrics = metrics
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._gil = contextlib.ExitStack()  # the short GIL switch interval while the thread runs
-        # Event loop thread only: each request's group; the replica serving each unfinished request and its
-        # sequences; each replica's unfinished sequences (what `least_loaded` balances).
-        self._groups: dict[str, RequestGroup] = {}
-        self._owners: dict[str, tuple[int, int]] = {}
-        self._loads = [0] * len(self.engines)
-        self._arrivals: dict[str, float] = {}  # request id -> time.monotonic() it arrived
-        self._failed: set[str] = set()  # ids failed by a step error: their final output counts as "error"
+        self._emit = emit
         self._cond = threading.Condition()
-        # Guarded by _cond: work was submitted, the thread must stop, it sleeps, the open groups.
+        # Guarded by _cond: work was submitted, the loop must stop, it sleeps.
         self._work = False
         self._stopping = False
         self._idle = False
-        self._num_groups = 0
-        self.accepting = True
 
-    # ---- lifecycle (event loop thread) -----------------------------------------------------------
+    def submit(
+        self,
+        replica: int,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+    ) -> Future[str]:
+        """Queues the request on the replica's engine (see `Engine.submit`)."""
+        future = self.engines[replica].submit(
+            prompt, params, request_id, stream=stream, stream_interval=stream_interval
+        )
+        self._wake()
+        return future
 
-    def start(self) -> None:
+    def abort(self, replica: int, request_id: str) -> None:
+        self.engines[replica].submit_abort(request_id)
+        self._wake()
+
+    def request_stop(self) -> None:
+        """The loop ends once nothing is left to run."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        """Asleep with nothing to do."""
+        with self._cond:
+            return self._idle and not self._work and not self._has_unfinished()
+
+    def run(self) -> None:
+        try:
+            while self._next_step():
+                self._step()
+        except BaseException as error:
+            logger.critical("the engine loop ended: the server answers 503 from now on", exc_info=True)
+            self._emit("ended", f"the engine loop ended on an error: {type(error).__name__}: {error}")
+            raise
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._work = True
+            self._cond.notify_all()
+
+    def _step(self) -> None:
+        """One step of every replica with work; a replica whose step raises recovers alone."""
+        outputs: list[RequestOutput] = []
+        for engine in self.engines:
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs += engine.step()
+            except Exception as error:
+                self._recover(engine, error)
+        self._emit("step", outputs, [ReplicaStats.of(engine) for engine in self.engines])
+
+    def _next_step(self) -> bool:
+        """Sleeps until there is work; False once stopping with nothing left to run."""
+        with self._cond:
+            while not (self._work or self._stopping or self._has_unfinished()):
+                self._idle = True
+                self._cond.wait()
+            self._idle = False
+            self._work = False
+            return not self._stopping or self._has_unfinished()
+
+    def _has_unfinished(self) -> bool:
+        return any(engine.has_unfinished() for engine in self.engines)
+
+    def _recover(self, engine: Engine, error: Exception) -> None:
+        """After a step of `engine` raised (it has requeued every unfinished request): the requests it had
+        admitted fail and are aborted; the ones still waiting to start are served."""
+        logger.exception("an engine step failed: its requests get an error, the engine serves on")
+        admitted = [r.request_id for r in engine.scheduler.waiting if r.status is not RequestStatus.WAITING]
+        failed = list(dict.fromkeys(admitted))
+        for request_id in failed:
+            engine.abort(request_id)
+        self._emit("failed", failed, f"an engine step failed: {type(error).__name__}: {error}")
+
+
+class Backend(Protocol):
+    """Where the driver runs, as the front end sees it (EngineThread, EngineProcess)."""
+
+    num_replicas: int
+
+    def start(self, deliver: Callable[[Event], None]) -> None:
+        """Starts (on the event loop); the driver's events reach `deliver` on that loop."""
+
+    def submit(
+        self,
+        replica: int,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+    ) -> Awaitable[object]:
+        """Resolves once the engine took the request in; raises the ValueError / TypeError that refused it."""
+
+    def abort(self, replica: int, request_id: str) -> None: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    async def stop(self) -> None:
+        """Lets the driver apply the aborts, drain and end."""
+
+
+class EngineThread:
+    """The driver in a thread of this process, over engines built here."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        self.driver = EngineDriver(engines, self._emit)
+        self.num_replicas = len(engines)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Callable[[Event], None] | None = None
+        self._thread: threading.Thread | None = None
+        self._gil = contextlib.ExitStack()  # the short GIL switch interval while the thread runs
+
+    def start(self, deliver: Callable[[Event], None]) -> None:
         self._loop = asyncio.get_running_loop()
+        self._deliver = deliver
         self._gil.enter_context(gil.short_switch_interval())
-        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self.driver.run, name="jaxserve-engine", daemon=True)
         self._thread.start()
+
+    def submit(
+        self,
+        replica: int,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+    ) -> Awaitable[object]:
+        future = self.driver.submit(replica, prompt, params, request_id, stream=stream, stream_interval=stream_interval)
+        return asyncio.wrap_future(future)
+
+    def abort(self, replica: int, request_id: str) -> None:
+        self.driver.abort(replica, request_id)
 
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    async def stop(self) -> None:
+        self.driver.request_stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._gil.close()
+
+    def idle(self) -> bool:
+        return self.driver.idle()
+
+    def _emit(self, *event: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._deliver is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the loop closed in between
+            pass
+
+
+class AsyncEngine:
+    """The front end over one backend (the replicas' engines behind it), shared by the asyncio handlers of
+    one event loop. Every method runs on the event loop thread, but `wait_idle`."""
+
+    def __init__(self, backend: Backend, metrics: ServerMetrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        # Each request's group; the replica serving each unfinished request and its sequences; each
+        # replica's unfinished sequences (what `least_loaded` balances).
+        self._groups: dict[str, RequestGroup] = {}
+        self._owners: dict[str, tuple[int, int]] = {}
+        self._loads = [0] * backend.num_replicas
+        self._arrivals: dict[str, float] = {}  # request id -> time.monotonic() it arrived
+        self._failed: set[str] = set()  # ids failed by a step error: their final output counts as "error"
+        self._num_groups = 0  # open groups (read by wait_idle in another thread)
+        self._ended = False
+        self.accepting = True
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.backend.start(self._on_event)
+
+    @property
+    def is_running(self) -> bool:
+        return not self._ended and self.backend.is_running
 
     def shut_down(self) -> None:
         """Stops accepting requests and fails every one in flight with Unavailable (their engine requests
@@ -166,22 +377,24 @@ class AsyncEngine:
             group.close()
 
     async def stop(self) -> None:
-        """shut_down, then lets the engine thread apply the aborts and end."""
+        """shut_down, then lets the driver apply the aborts and end."""
         self.shut_down()
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        self._gil.close()
+        await self.backend.stop()
 
     def wait_idle(self, timeout: float) -> bool:
-        """Blocks (in any thread but the engine's) until no group is open and the engine thread sleeps
-        with nothing to do; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._idle and not self._work and not self._num_groups, timeout)
+        """Blocks (in any thread but the event loop's) until no group is open and the engine thread sleeps
+        with nothing to do; False on timeout. Only over an EngineThread (the tests look at its engines)."""
+        backend = self.backend
+        if not isinstance(backend, EngineThread):
+            raise TypeError("wait_idle needs the engine in this process (EngineThread)")
+        deadline = time.monotonic() + timeout
+        while not (self._num_groups == 0 and backend.idle()):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
-    # ---- requests (event loop thread) ------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------------
 
     async def submit(
         self,
@@ -199,27 +412,25 @@ class AsyncEngine:
         if not self.accepting:
             raise Unavailable("the server is shutting down")
         if not self.is_running:
-            raise Unavailable("the engine thread is not running")
+            raise Unavailable("the engine is not running")
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(ids, self._release)
-        with self._cond:
-            self._num_groups += 1
+        self._num_groups += 1
         now = time.monotonic()
-        futures = []
+        accepted = []
         for request, prompt in zip(ids, prompts, strict=True):
             self._groups[request] = group
             self._arrivals[request] = now
             replica = least_loaded(self._loads)
             self._owners[request] = (replica, params.n)
             self._loads[replica] += params.n
-            futures.append(
-                self.engines[replica].submit(prompt, params, request, stream=stream, stream_interval=stream_interval)
+            accepted.append(
+                self.backend.submit(replica, prompt, params, request, stream=stream, stream_interval=stream_interval)
             )
-        self._wake()
         try:
-            for index, future in enumerate(futures):
+            for index, done in enumerate(accepted):
                 try:
-                    await asyncio.wrap_future(future)
+                    await done
                 except (ValueError, TypeError) as error:
                     raise type(error)(f"prompt {index}: {error}" if len(ids) > 1 else str(error)) from error
         except BaseException:
@@ -235,16 +446,8 @@ class AsyncEngine:
         for request_id in unfinished:
             replica = self._disown(request_id)
             if replica is not None:  # else: it finished, its final output not read yet
-                self.engines[replica].submit_abort(request_id)
-        with self._cond:
-            self._num_groups -= 1
-            self._work = self._work or bool(unfinished)
-            self._cond.notify_all()
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._work = True
-            self._cond.notify_all()
+                self.backend.abort(replica, request_id)
+        self._num_groups -= 1
 
     def _disown(self, request_id: str) -> int | None:
         """Forgets which replica serves the request (its sequences leave that replica's load); that replica,
@@ -256,85 +459,44 @@ class AsyncEngine:
         self._loads[replica] -= sequences
         return replica
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    # ---- the driver's events ---------------------------------------------------------------------
+
+    def _on_event(self, event: Event) -> None:
+        kind = event[0]
+        if kind == "step":
+            self._on_step(event[1], event[2])
+        elif kind == "failed":
+            self._on_failed(event[1], event[2])
+        elif kind == "ended":
+            self._on_ended(event[1])
+        else:
+            raise ValueError(f"unknown engine event {kind!r}")
+
+    def _on_step(self, outputs: list[RequestOutput], stats: list[ReplicaStats]) -> None:
+        self.metrics.observe_step(stats)
         for output in outputs:
             if output.finished:
                 self._disown(output.request_id)
+                reason = "error" if output.request_id in self._failed else None
+                self._failed.discard(output.request_id)
+                self.metrics.observe_finished(output, self._arrivals.pop(output.request_id, None), reason)
             group = self._groups.get(output.request_id)
             if group is not None:
                 group.deliver(output)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for group in list(dict.fromkeys(self._groups.values())):
-            group.fail(error)
-
-    def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
+    def _on_failed(self, request_ids: list[str], message: str) -> None:
+        error = StepFailed(message)
         for request_id in request_ids:
+            self._failed.add(request_id)
             group = self._groups.get(request_id)
             if group is not None:
                 group.fail(error)
 
-    # ---- the engine thread -----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while self._next_step():
-                self._step()
-        except BaseException:
-            logger.critical("the engine thread ended: the server answers 503 from now on", exc_info=True)
-            self._call_in_loop(self._fail_all, Unavailable("the engine thread ended on an error"))
-            raise
-
-    def _step(self) -> None:
-        """One step of every replica with work; a replica whose step raises recovers alone."""
-        outputs: list[RequestOutput] = []
-        for engine in self.engines:
-            if not engine.has_unfinished():
-                continue
-            try:
-                outputs += engine.step()
-            except Exception as error:
-                self._recover(engine, error)
-        self.metrics.observe_step(self.engines)
-        for output in outputs:
-            if output.finished:
-                reason = "error" if output.request_id in self._failed else None
-                self._failed.discard(output.request_id)
-                self.metrics.observe_finished(output, self._arrivals.pop(output.request_id, None), reason)
-        if outputs:
-            self._call_in_loop(self._dispatch, outputs)
-
-    def _next_step(self) -> bool:
-        """Sleeps until there is work; False once stopping with nothing left to run."""
-        with self._cond:
-            while not (self._work or self._stopping or self._has_unfinished()):
-                self._idle = True
-                self._cond.notify_all()
-                self._cond.wait()
-            self._idle = False
-            self._work = False
-            return not self._stopping or self._has_unfinished()
-
-    def _has_unfinished(self) -> bool:
-        return any(engine.has_unfinished() for engine in self.engines)
-
-    def _recover(self, engine: Engine, error: Exception) -> None:
-        """After a step of `engine` raised (it has requeued every unfinished request): the requests it had
-        admitted fail and are aborted; the ones still waiting to start are served."""
-        logger.exception("an engine step failed: its requests get an error, the engine serves on")
-        admitted = [r.request_id for r in engine.scheduler.waiting if r.status is not RequestStatus.WAITING]
-        failed = list(dict.fromkeys(admitted))
-        for request_id in failed:
-            self._failed.add(request_id)
-            engine.abort(request_id)
-        failure = StepFailed(f"an engine step failed: {type(error).__name__}: {error}")
-        self._call_in_loop(self._fail_requests, failed, failure)
-
-    def _call_in_loop(self, callback: object, *args: object) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
+    def _on_ended(self, message: str) -> None:
+        """The driver ended (or the engine process exited): every request in flight fails."""
+        if self._ended:
             return
-        try:
-            loop.call_soon_threadsafe(callback, *args)  # type: ignore[arg-type]
-        except RuntimeError:  # the loop closed in between
-            pass
+        self._ended = True
+        error = Unavailable(message)
+        for group in list(dict.fromkeys(self._groups.values())):
+            group.fail(error)

@@ -1,8 +1,10 @@
 """Running the application under uvicorn, and ending it cleanly.
 
-SIGINT / SIGTERM: uvicorn stops accepting connections and waits for the open ones; `Server.handle_exit`
-first fails every request in flight (503, or a final error event in a stream) and aborts it in the
-engine, so that wait is short; then the lifespan shutdown stops the engine thread, and `serve` returns
+The engine is an `LLM` of this process (its loop in a thread: `EngineThread`) or an `EngineProcess` (what
+`jaxserve serve` runs). SIGINT / SIGTERM: uvicorn stops accepting connections and waits for the open ones;
+`Server.handle_exit` first fails every request in flight (503, or a final error event in a stream) and
+aborts it in the engine, so that wait is short; then the lifespan shutdown stops the engine loop, and
+`serve` returns
 (uvicorn re-raises the signal it caught once it is done; `serve` takes that signal itself, so the process
 exits with status 0 rather than dying of it).
 """
@@ -23,8 +25,10 @@ import uvicorn
 
 from jaxserve.llm import LLM
 from jaxserve.server.app import build_app
-from jaxserve.server.config import ServerConfig
-from jaxserve.server.frontend import AsyncEngine
+from jaxserve.server.config import ServedModel, ServerConfig
+from jaxserve.server.engine_process import EngineProcess
+from jaxserve.server.frontend import AsyncEngine, Backend, EngineThread
+from jaxserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +59,28 @@ class Server(uvicorn.Server):
 
 
 def make_server(
-    llm: LLM, host: str, port: int, config: ServerConfig, *, log_level: str = "info", access_log: bool = True
+    engine: LLM | EngineProcess,
+    host: str,
+    port: int,
+    config: ServerConfig,
+    *,
+    log_level: str = "info",
+    access_log: bool = True,
 ) -> Server:
-    """A uvicorn server of the application over `llm` (not started: `run()` it, or `serve`)."""
-    app = build_app(llm, config)
+    """A uvicorn server of the application over `engine` (not started: `run()` it, or `serve`)."""
+    backend: Backend
+    if isinstance(engine, EngineProcess):
+        model, backend = engine.model, engine
+    else:
+        model, backend = ServedModel.of(engine), EngineThread(engine.engines)
+    app = build_app(model, AsyncEngine(backend, ServerMetrics(config.served_model_name)), config)
     uvicorn_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on"
     )
     return Server(uvicorn_config, app.state.server.frontend)
 
 
-def serve(llm: LLM, host: str, port: int, config: ServerConfig, *, log_level: str = "info") -> None:
+def serve(engine: LLM | EngineProcess, host: str, port: int, config: ServerConfig, *, log_level: str = "info") -> None:
     """Serves until SIGINT / SIGTERM, then returns once the shutdown is complete."""
     if config.api_key is None and not _is_loopback(host):
         logger.warning(
@@ -73,7 +88,7 @@ def serve(llm: LLM, host: str, port: int, config: ServerConfig, *, log_level: st
             "(pass --api-key, or bind 127.0.0.1)",
             host,
         )
-    server = make_server(llm, host, port, config, log_level=log_level)
+    server = make_server(engine, host, port, config, log_level=log_level)
     with _signals_taken():
         server.run()
 

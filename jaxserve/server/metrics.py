@@ -1,11 +1,11 @@
 """The Prometheus metrics of one server, in a registry of its own (not prometheus-client's global one, so
 servers built in one process do not share counters), named like vLLM's (`jaxserve:` for `vllm:`).
 
-The engine thread updates them: the gauges and the prefix-cache and preemption counters after every step
-(with data parallelism, of all the replicas: summed, KV usage averaged, the prefix hit rate over their
-lookups together),
-the token counters, the finished-request counter and the latency histograms when a request finishes (its
-final output, whatever ended it: a disconnected client's request counts as "abort").
+The front end updates them on the event loop, from the engine driver's events: the gauges and the
+prefix-cache and preemption counters after every round of steps (with data parallelism, of all the
+replicas: summed, KV usage averaged, the prefix hit rate over their lookups together), the token counters,
+the finished-request counter and the latency histograms when a request finishes (its final output,
+whatever ended it: a disconnected client's request counts as "abort").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from jaxserve.sampling import RequestOutput
 
 if TYPE_CHECKING:
-    from jaxserve.engine import Engine
+    from jaxserve.server.frontend import ReplicaStats
 
 # vLLM's buckets.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
@@ -66,18 +66,16 @@ class ServerMetrics:
         # Each replica's cumulative (queried, hit, preemptions) already counted.
         self._seen: dict[int, tuple[int, int, int]] = {}
 
-    def observe_step(self, engines: Sequence[Engine]) -> None:
-        """The replicas' state after a round of steps (called from the engine thread)."""
-        schedulers, blocks = [e.scheduler for e in engines], [e.block_manager for e in engines]
-        self.running.set(sum(s.num_running for s in schedulers))
-        self.waiting.set(sum(s.num_waiting for s in schedulers))
-        self.kv_usage.set(sum(b.usage for b in blocks) / len(blocks))
-        queried_tokens = sum(b.stats.queried_tokens for b in blocks)
-        hit_tokens = sum(b.stats.hit_tokens for b in blocks)
+    def observe_step(self, stats: Sequence[ReplicaStats]) -> None:
+        """The replicas' state after a round of steps."""
+        self.running.set(sum(s.running for s in stats))
+        self.waiting.set(sum(s.waiting for s in stats))
+        self.kv_usage.set(sum(s.kv_usage for s in stats) / len(stats))
+        queried_tokens = sum(s.queried_tokens for s in stats)
+        hit_tokens = sum(s.hit_tokens for s in stats)
         self.prefix_hit_rate.set(hit_tokens / queried_tokens if queried_tokens else 0.0)
-        for replica, (scheduler, block_manager) in enumerate(zip(schedulers, blocks, strict=True)):
-            stats = block_manager.stats
-            now = (stats.queried_tokens, stats.hit_tokens, scheduler.num_preemptions)
+        for replica, replica_stats in enumerate(stats):
+            now = (replica_stats.queried_tokens, replica_stats.hit_tokens, replica_stats.preemptions)
             seen = self._seen.get(replica, (0, 0, 0))
             queried, hits, preemptions = (max(0, a - b) for a, b in zip(now, seen, strict=True))
             self.prefix_queries.inc(queried)
