@@ -4,7 +4,8 @@ each have a GIL, so many streaming clients no longer stretch the engine's steps.
 
     server process                                       engine process (spawned)
     AsyncEngine --("submit" | "abort" | "stop")--pipe--> commands thread --> EngineDriver
-    AsyncEngine <--loop-- reader thread <--pipe-- ("submitted" | "step" | "failed" | "ended") EngineDriver.run
+    AsyncEngine <--loop-- reader thread <--pipe-- sender thread <--queue-- EngineDriver.run
+                          ("submitted" | "step" | "failed" | "ended")
 
 The engine process builds the `LLM` itself (`build(arg)`, a picklable function: the devices belong to it,
 the server process never starts a jax backend) and answers ("ready", ServedModel), or ("error", the
@@ -12,6 +13,9 @@ exception) if it could not: `EngineProcess(...)` returns once the engine is read
 The server process reads its pipe in a thread of its own, which hands each message to the event loop
 (`call_soon_threadsafe`): the loop's own readiness callbacks would not do, as uvloop makes the descriptor
 non-blocking and a message can arrive in parts. Each round's outputs are one message, in the driver's order.
+In the engine process a sender thread pickles and writes the messages, so the engine loop waits neither on
+pickling nor on a full pipe (the reader thread needs the GIL of a busy event loop to empty it); both
+processes shorten the GIL's switch interval (`jaxserve.gil`) while these threads run.
 
 Stopping: `stop` (the server's lifespan shutdown, after the requests in flight were aborted) asks the
 driver to drain and end; the engine process closes its LLM and exits. SIGINT does not reach the engine
@@ -23,10 +27,12 @@ process die, every request in flight fails with Unavailable (a 503) and /health 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -34,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from jaxserve import gil
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.config import ServedModel
 from jaxserve.server.frontend import EngineDriver, Event, Unavailable
@@ -60,6 +67,7 @@ class EngineProcess:
         commands.close()
         events.close()
         self._reader: threading.Thread | None = None
+        self._gil = contextlib.ExitStack()  # the short GIL switch interval while the reader thread runs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[Event], None] | None = None
         self._pending: dict[str, asyncio.Future[None]] = {}
@@ -96,6 +104,8 @@ class EngineProcess:
     def start(self, deliver: Callable[[Event], None]) -> None:
         self._loop = asyncio.get_running_loop()
         self._deliver = deliver
+        # The reader thread takes the GIL from the busy event loop at least twice a message.
+        self._gil.enter_context(gil.short_switch_interval())
         self._reader = threading.Thread(target=self._read, name="jaxserve-engine-events", daemon=True)
         self._reader.start()
 
@@ -203,6 +213,7 @@ class EngineProcess:
         self._gone = True
         self._commands.close()
         self._events.close()
+        self._gil.close()
 
 
 # ---- the engine process ---------------------------------------------------------------------------
@@ -218,22 +229,35 @@ def _engine_main(
     except BaseException as error:
         events.send(("error", _portable(error)))
         return
-    lock = threading.Lock()
+    # The engine loop hands its messages to a sender thread, which pickles and writes them: the loop never
+    # waits on the pipe (a full pipe, while the server process's reader waits for its GIL) or on pickling.
+    outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_events, args=(outbox, events), name="jaxserve-events", daemon=True)
+    sender.start()
 
     def emit(*message: Any) -> None:
-        with lock:
-            try:
-                events.send(message)
-            except (BrokenPipeError, OSError):  # the server process is gone: the commands thread exits
-                pass
+        outbox.put(message)
 
-    with llm:
-        driver = EngineDriver(llm.engines, emit)
-        emit("ready", ServedModel.of(llm))
-        threading.Thread(
-            target=_serve_commands, args=(commands, driver, emit), name="jaxserve-commands", daemon=True
-        ).start()
-        driver.run()
+    try:
+        with llm, gil.short_switch_interval():  # the loop, the commands and the sender thread share the GIL
+            driver = EngineDriver(llm.engines, emit)
+            emit("ready", ServedModel.of(llm))
+            threading.Thread(
+                target=_serve_commands, args=(commands, driver, emit), name="jaxserve-commands", daemon=True
+            ).start()
+            driver.run()
+    finally:
+        outbox.put(None)  # what the loop sent last (its "ended" too) reaches the server before the exit
+        sender.join()
+
+
+def _send_events(outbox: queue.SimpleQueue[tuple[Any, ...] | None], events: Connection) -> None:
+    """The sender thread: every message of the outbox to the server process, in order, until None."""
+    while (message := outbox.get()) is not None:
+        try:
+            events.send(message)
+        except (BrokenPipeError, OSError):  # the server process is gone: the commands thread exits
+            pass
 
 
 def _serve_commands(commands: Connection, driver: EngineDriver, emit: Callable[..., None]) -> None:

@@ -172,6 +172,10 @@ class EngineDriver:
         self._work = False
         self._stopping = False
         self._idle = False
+        # The loop's own time, for the summary it logs when it ends: rounds, seconds stepping and emitting.
+        self._rounds = 0
+        self._step_seconds = 0.0
+        self._emit_seconds = 0.0
 
     def submit(
         self,
@@ -213,6 +217,30 @@ class EngineDriver:
             logger.critical("the engine loop ended: the server answers 503 from now on", exc_info=True)
             self._emit("ended", f"the engine loop ended on an error: {type(error).__name__}: {error}")
             raise
+        logger.info("%s", self.summary())
+
+    def summary(self) -> str:
+        """The loop's rounds and the steps of each replica since it started, in one line (logged at its end)."""
+        from jaxserve.bench import step_summary  # the summary the bench prints, for one replica's steps
+
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2f}"
+
+        rounds = max(self._rounds, 1)
+        parts = [
+            f"engine loop: {self._rounds} rounds, per round {1e3 * self._step_seconds / rounds:.2f} ms stepping "
+            f"and {1e3 * self._emit_seconds / rounds:.2f} ms sending outputs"
+        ]
+        for replica, engine in enumerate(self.engines):
+            stats = list(engine.stats)
+            steps = step_summary(stats)
+            decode_rows = [s.num_seqs for s in stats if s.num_prefill_rows == 0]
+            parts.append(
+                f"replica {replica}: {steps.num_steps} steps, host {ms(steps.mean_host_ms)} ms "
+                f"(dispatch {ms(steps.mean_dispatch_ms)}), decode step {ms(steps.decode_step_ms)} ms, "
+                f"{sum(decode_rows) / len(decode_rows) if decode_rows else 0:.1f} rows per decode step"
+            )
+        return "; ".join(parts)
 
     def _wake(self) -> None:
         with self._cond:
@@ -221,6 +249,7 @@ class EngineDriver:
 
     def _step(self) -> None:
         """One step of every replica with work; a replica whose step raises recovers alone."""
+        start = time.perf_counter()
         outputs: list[RequestOutput] = []
         for engine in self.engines:
             if not engine.has_unfinished():
@@ -229,7 +258,11 @@ class EngineDriver:
                 outputs += engine.step()
             except Exception as error:
                 self._recover(engine, error)
+        stepped = time.perf_counter()
         self._emit("step", outputs, [ReplicaStats.of(engine) for engine in self.engines])
+        self._rounds += 1
+        self._step_seconds += stepped - start
+        self._emit_seconds += time.perf_counter() - stepped
 
     def _next_step(self) -> bool:
         """Sleeps until there is work; False once stopping with nothing left to run."""

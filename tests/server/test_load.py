@@ -6,6 +6,7 @@ that gives up waiting for a whole (not streamed) response aborts its request too
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -109,3 +110,23 @@ def test_a_client_gone_before_its_whole_response_aborts_the_request(served):
     generated = after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"]
     assert generated < 200, "aborted before its max_tokens"
     assert served.llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_the_engine_loop_summary_counts_its_rounds_and_steps(served):
+    """What the engine loop logs when it ends: its rounds, and each replica's steps as the bench counts them."""
+    driver = served.frontend.backend.driver
+    engine = served.llm.engine
+    assert served.frontend.wait_idle(60)
+    before = driver._rounds
+    served.client().completions.create(model=served.model, prompt="Hello", max_tokens=4, temperature=0.0)
+    assert served.frontend.wait_idle(60)
+    assert driver._rounds - before >= 4  # a prefill and at least three decode steps, a round each
+    summary = driver.summary()
+    rounds = re.search(r"engine loop: (\d+) rounds, per round ([\d.]+) ms stepping and ([\d.]+) ms", summary)
+    assert rounds is not None and int(rounds.group(1)) == driver._rounds, summary
+    assert float(rounds.group(2)) > 0
+    steps = re.search(
+        r"replica 0: (\d+) steps, host ([\d.]+) ms \(dispatch ([\d.]+)\), decode step ([\d.]+) ms", summary
+    )
+    assert steps is not None and int(steps.group(1)) == len(engine.stats), summary
+    assert 0 < float(steps.group(3)) <= float(steps.group(2))
