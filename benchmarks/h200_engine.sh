@@ -84,8 +84,8 @@ case "${1:-}" in
     bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
     bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
     ;;
-  serve)  # SERVE_MODE=thread: the engine in a thread of the server process (--engine-thread)
-    S=(--random-weights llama-3.1-8b --served-model-name llama-3.1-8b --port 8000 --max-batch-size 256 --max-seq-len 256 --no-penalty-variants)
+  serve)  # SERVE_MODE=thread: the engine in a thread of the server process (--engine-thread); PASSES load runs per server
+    S=(--random-weights llama-3.1-8b --served-model-name llama-3.1-8b --port 8000 --max-batch-size 256 --max-seq-len 256 --no-penalty-variants -v)
     [ "${SERVE_MODE:-process}" = thread ] && S+=(--engine-thread)
     C=(--model llama-3.1-8b --num-clients 256 --num-requests 1024 --input-len 128 --output-len 128 --processes 4 --json)
     for interval in ${INTERVALS:-8 1}; do
@@ -93,12 +93,17 @@ case "${1:-}" in
       python3 -m jaxserve.cli serve "${S[@]}" --stream-interval "$interval" >/dev/null 2>"$OUT/serve_$interval.log" &
       server=$!
       for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-      timeout 120 python3 benchmarks/serve_load.py "${C[@]}" | tee -a "$OUT/results.jsonl"
-      curl -s http://127.0.0.1:8000/metrics | grep -E "^jaxserve:time_per_output_token_seconds_(sum|count)"
+      for pass in $(seq 1 "${PASSES:-1}"); do
+        echo "pass $pass (prompts of --seed $pass: a later pass finds none of an earlier one's in the prefix cache)"
+        timeout 120 python3 benchmarks/serve_load.py "${C[@]}" --seed "$pass" | tee -a "$OUT/results.jsonl"
+        curl -s http://127.0.0.1:8000/metrics | grep -E "^jaxserve:time_per_output_token_seconds_(sum|count)"
+      done
       kill -INT $server; wait $server
+      grep -E "engine loop:" "$OUT/serve_$interval.log"
     done
     B=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128 --max-batch-size 256)
     [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256 120 "${B[@]}"
+    [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256_c256 120 "${B[@]}" --max-concurrency 256  # the clients' closed loop
     ;;
   *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long|serve" >&2; exit 2 ;;
 esac
