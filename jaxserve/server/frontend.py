@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxserve import gil
+from jaxserve.bench import step_summary
 from jaxserve.llm import least_loaded
 from jaxserve.request import RequestStatus
 from jaxserve.sampling import RequestOutput, SamplingParams
@@ -221,7 +222,6 @@ class EngineDriver:
 
     def summary(self) -> str:
         """The loop's rounds and the steps of each replica since it started, in one line (logged at its end)."""
-        from jaxserve.bench import step_summary  # the summary the bench prints, for one replica's steps
 
         def ms(value: float | None) -> str:
             return "-" if value is None else f"{value:.2f}"

@@ -41,7 +41,8 @@ def _lines(stream, into: queue.Queue) -> None:
 
 
 def test_serve_answers_and_exits_cleanly_on_sigterm_aborting_the_stream():
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port=0", "--served-model-name=smollm2", *ENGINE_FLAGS]
+    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port=0", "--served-model-name=smollm2", "-v"]
+    command += ENGINE_FLAGS
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     log: queue.Queue[str | None] = queue.Queue()
@@ -75,6 +76,8 @@ def test_serve_answers_and_exits_cleanly_on_sigterm_aborting_the_stream():
         while (line := log.get(timeout=10)) is not None:
             remaining.append(line)
         assert "Finished server process" in "".join(remaining)
+        # -v: the engine loop's summary when it ended (the rounds it stepped, the engine's steps)
+        assert re.search(r"engine loop: [1-9]\d* rounds, .*; replica 0: [1-9]\d* steps", "".join(remaining))
     finally:
         if process.poll() is None:
             process.kill()
