@@ -27,7 +27,10 @@ significant digits.
                          "max_batch_size" (per replica), "max_num_tokens", "max_seq_len", "kv_blocks",
                          "kv_tokens", "kv_gib" (over every replica), "load_s", "init_s" (engine
                          construction: profile, KV pool, compiling), "warmup_s" (of which compiling),
-                         "compiled_executables" (forwards and samplers, over every replica)},
+                         "compiled_executables" (forwards and samplers, over every replica),
+                         "lowering_s", "xla_compile_s" (of the executables compiled at warmup rather than
+                         loaded from the step store: tracing and lowering them, which holds the GIL, and
+                         XLA's compile, which the compile threads overlap; summed over executables)},
               "output_tok_per_s", "ttft_ms", "tpot_ms": {"mean", "p50", "p90", "p99"} (null without samples),
               "steps": {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms",
                         "peak_kv_usage" (a fraction of the pool), "num_preempted"}
@@ -221,6 +224,8 @@ class EngineSummary:
     init_s: float
     warmup_s: float
     compiled_executables: int
+    lowering_s: float
+    xla_compile_s: float
 
 
 def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
@@ -244,6 +249,8 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         init_s=init_s,
         warmup_s=sum(e.warmup_seconds for e in engines),
         compiled_executables=sum(e.runner.num_executables for e in engines),
+        lowering_s=sum(t[0] for e in engines for t in e.runner.compile_timings),
+        xla_compile_s=sum(t[1] for e in engines for t in e.runner.compile_timings),
     )
 
 
@@ -480,7 +487,8 @@ def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
         f"data parallel {e.data_parallel_size}; "
         f"max_batch_size {e.max_batch_size}, max_num_tokens {e.max_num_tokens}, max_seq_len {e.max_seq_len}",
         f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
-        f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s)",
+        f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s; summed over those not loaded "
+        f"from the step store: tracing and lowering {e.lowering_s:.2f} s, XLA {e.xla_compile_s:.2f} s)",
         f"KV cache            {e.kv_blocks} blocks ({e.kv_tokens} tokens, {size}), peak usage {peak}",
     ]
 

@@ -239,6 +239,8 @@ class Runner:
         self._samplers: dict[SamplerKey, jax.stages.Compiled] = {}
         self.lazy = False  # set by `start`
         self.lazy_compile_seconds = 0.0  # spent compiling steps on first use
+        # (tracing + lowering, XLA compile) seconds of every executable compiled (not loaded from the store)
+        self.compile_timings: list[tuple[float, float]] = []
 
     def update_weights(self, weights: Any) -> None:
         """New values for every weight (checkpoint layout, validated by the caller: same shapes), placed
@@ -415,13 +417,18 @@ class Runner:
         compiled_in = time.perf_counter() - start
         first_runs = self._run_each_once() if jax.default_backend() == "gpu" else 0.0
         total = time.perf_counter() - start
+        lowering, xla = (sum(t[i] for t in self.compile_timings) for i in (0, 1))
         logger.info(
-            "warmup: %d forwards and %d samplers in %.1fs (%d threads; %s; each run once in %.1fs)",
+            "warmup: %d forwards and %d samplers in %.1fs (%d threads; %s; %d compiled: %.1fs tracing and "
+            "lowering, %.1fs in XLA, summed; each run once in %.1fs)",
             len(self._forwards),
             len(self._samplers),
             compiled_in,
             self.spec.compile_threads,
             "no step store" if self.store is None else f"{self.store.hits - hits} loaded from the step store",
+            len(self.compile_timings),
+            lowering,
+            xla,
             first_runs,
         )
         return total
@@ -466,7 +473,7 @@ class Runner:
         # donated: updated in place.
         out_shardings = (self._replicated, cache_shardings)
         jitted = jax.jit(fn, donate_argnames=("kv_cache",), out_shardings=out_shardings)
-        compile_fn = partial(_lower_and_compile, jitted, args)
+        compile_fn = partial(_lower_and_compile, jitted, args, self.compile_timings)
         return self._compiled("forward", (bucket, prompt_logprobs, tensor_parallel), args, compile_fn)
 
     def compile_sampler(self, rows: int, mode: SamplerMode, penalties: bool) -> jax.stages.Compiled:
@@ -477,7 +484,8 @@ class Runner:
         sampling, history = (jax.tree.map(self._abstract, x) for x in (padding.sampling, padding.history))
         fn = partial(sampler_fn, spec=self.spec, mode=mode)
         args = (logits, last_tokens, sampling, history, self._abstract(self._key))
-        return self._compiled("sampler", (rows, mode, penalties), args, partial(_lower_and_compile, jax.jit(fn), args))
+        compile_fn = partial(_lower_and_compile, jax.jit(fn), args, self.compile_timings)
+        return self._compiled("sampler", (rows, mode, penalties), args, compile_fn)
 
     def _compiled(
         self, kind: str, key: tuple, args: tuple, compile_fn: Callable[[], jax.stages.Compiled]
@@ -577,8 +585,16 @@ class Runner:
             self.kv_cache = self._zero_cache(self.num_blocks)
 
 
-def _lower_and_compile(jitted: Any, args: tuple) -> jax.stages.Compiled:
-    return jitted.lower(*args).compile()
+def _lower_and_compile(jitted: Any, args: tuple, timings: list[tuple[float, float]]) -> jax.stages.Compiled:
+    """jitted's executable for args; appends (seconds tracing and lowering, seconds in XLA's compile) to
+    timings. The first holds the GIL, the second releases it, so the warmup's threads overlap only the
+    second."""
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    timings.append((t1 - t0, time.perf_counter() - t1))
+    return compiled
 
 
 def _describe(kind: str, key: Any) -> str:

@@ -478,22 +478,45 @@ def forward(
     """Final-normed hidden states of a flat token batch, and the cache with this batch's K/V written.
 
     A Python loop over the layers' own buffers: XLA reads each weight in place, and the identical
-    layers share their compiled kernels and autotuning, so compile time stays close to a scan's."""
+    layers share their compiled kernels and autotuning, so compile time stays close to a scan's. Each
+    layer is one call of the jitted `decoder_layer`: jax traces and lowers it once per forward instead of
+    once per layer (the layers' arguments have the same shapes), and XLA inlines the calls, so the
+    executable is the one the layers' ops written out one after another would give."""
     x = jnp.take(weights.embed, token_ids, axis=0)
     cos, sin = rope_frequencies(cfg.rope, cfg.head_dim, positions)
-    eps = cfg.rms_norm_eps
     # Each residual add is fused with the norm that follows it: the MLP's, then the next layer's attention
     # norm (the final norm after the last layer).
     next_norms = [layer.attn_norm for layer in weights.layers[1:]] + [weights.final_norm]
-    normed = rms_norm(x, weights.layers[0].attn_norm, eps)
+    normed = rms_norm(x, weights.layers[0].attn_norm, cfg.rms_norm_eps)
     # The whole cache is threaded through (updated in place); each layer finds its part by index.
     for index, (layer, next_norm) in enumerate(zip(weights.layers, next_norms, strict=True)):
-        attn_out, kv_cache = attention_block(
-            layer, normed, positions, cos, sin, kv_cache, jnp.int32(index), attn_meta, cfg
+        x, normed, kv_cache = decoder_layer(
+            layer, next_norm, x, normed, positions, cos, sin, kv_cache, jnp.int32(index), attn_meta, cfg
         )
-        h, normed = add_norm(x, attn_out, layer.mlp_norm, eps, attn_meta)
-        x, normed = add_norm(h, gated_mlp(normed, layer.w_gate_up, layer.w_down), next_norm, eps, attn_meta)
     return normed, kv_cache
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def decoder_layer(
+    layer: ServingLayer,
+    next_norm: Float[Array, " D"],
+    x: Float[Array, "T D"],
+    normed: Float[Array, "T D"],
+    positions: Int[Array, " T"],
+    cos: Float[Array, "T Dh/2"],
+    sin: Float[Array, "T Dh/2"],
+    kv_cache: KVCache,
+    layer_index: Int[Array, ""],
+    attn_meta: AttentionMetadata,
+    cfg: LlamaConfig,
+) -> tuple[Float[Array, "T D"], Float[Array, "T D"], KVCache]:
+    """One layer on the residual stream x and its normed copy: (x after the layer, x normed with
+    next_norm, the cache with this layer's K/V written)."""
+    eps = cfg.rms_norm_eps
+    attn_out, kv_cache = attention_block(layer, normed, positions, cos, sin, kv_cache, layer_index, attn_meta, cfg)
+    h, normed = add_norm(x, attn_out, layer.mlp_norm, eps, attn_meta)
+    x, normed = add_norm(h, gated_mlp(normed, layer.w_gate_up, layer.w_down), next_norm, eps, attn_meta)
+    return x, normed, kv_cache
 
 
 def compute_logits(weights: ServingWeights, hidden: Float[Array, "T D"], cfg: LlamaConfig) -> Float[Array, "T V"]:

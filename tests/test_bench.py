@@ -40,6 +40,8 @@ ENGINE_KEYS = {
     "init_s",
     "warmup_s",
     "compiled_executables",
+    "lowering_s",
+    "xla_compile_s",
 }
 STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
 PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
@@ -264,7 +266,7 @@ def test_the_step_summary_takes_the_median_gap_between_decode_steps():
 
 
 def _engine() -> bench.EngineSummary:
-    return bench.EngineSummary("tiny", "xla", "float32", 1, 1, 4, 32, 12, 5, 64, 0.0001, 1.0, 2.0, 1.5, 4)
+    return bench.EngineSummary("tiny", "xla", "float32", 1, 1, 4, 32, 12, 5, 64, 0.0001, 1.0, 2.0, 1.5, 4, 0.25, 2.5)
 
 
 def _percentiles(scale: float) -> bench.Percentiles:
@@ -279,7 +281,8 @@ def test_the_throughput_report_and_its_json_keys():
     for line in ["requests            6", "output tokens       24 (4.0 per request)", "elapsed             0.500 s"]:
         assert line in table
     assert "output throughput   48.0 tok/s" in table and "request throughput  12.00 req/s" in table
-    assert "peak usage 50.0%" in table and "(compiling 4 executables: 1.50 s)" in table
+    assert "peak usage 50.0%" in table and "(compiling 4 executables: 1.50 s; summed over those not loaded" in table
+    assert "tracing and lowering 0.25 s, XLA 2.50 s)" in table
     tpot_row = next(line for line in table.splitlines() if line.startswith("TPOT (ms)"))
     assert tpot_row.split() == ["TPOT", "(ms)", "-", "-", "-", "-"]
     record = json.loads(bench.report(result, as_json=True))

@@ -118,6 +118,10 @@ def test_an_engine_built_again_loads_every_step_and_generates_the_same_tokens(tm
         store = llm.engine.runner.store
         expected = (0, llm.engine.runner.num_executables)  # (hits, misses); on CPU no capacity probe compiles
         assert (store.hits, store.misses) == (expected if build == 0 else expected[::-1])
+        # Each executable compiled reports its tracing + lowering and its XLA compile; one loaded reports none.
+        timings = llm.engine.runner.compile_timings
+        assert len(timings) == (expected[1] if build == 0 else 0)
+        assert all(lowering > 0 and xla > 0 for lowering, xla in timings)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         llm.close()
     assert tokens[0] == tokens[1]
