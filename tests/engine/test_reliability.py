@@ -278,8 +278,17 @@ def _interrupted_generate(llm, delay: float) -> bool:
     return False
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt, as in an interactive Python or a notebook: pytest-xdist's workers
+    start with SIGINT ignored (whether a test before this one reset it depended on which worker ran it)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("moment", [0.05, 0.2, 0.4, 0.6, 0.8])
-def test_a_real_sigint_during_generate(llm, alone, idle_after, long_generate_seconds, moment):
+def test_a_real_sigint_during_generate(llm, alone, idle_after, long_generate_seconds, moment, sigint_raises):
     """Ctrl-C as a notebook user presses it: a SIGINT lands wherever the engine is at that moment of a
     generate (a fraction of its uninterrupted duration; halved and tried again when the machine ran the
     generate faster than that)."""
