@@ -94,8 +94,10 @@ def test_close_hands_every_buffer_back_and_build_close_cycles_leak_nothing(model
     for _ in range(3):
         with LLM(model, tokenizer=char_tokenizer(), **ENGINE) as llm:
             assert live_bytes() > baseline
+            # What exists once the engine is ready is out of the garbage collector's reach until close.
+            assert gc.get_freeze_count() > 0
             assert tokens(llm) == generate_dense(model.family, model.config, model.weights, prompts(), NEW_TOKENS)
-        assert live_bytes() == baseline
+        assert live_bytes() == baseline and gc.get_freeze_count() == 0
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(model.weights)), "the caller's arrays were freed"
     with pytest.raises(RuntimeError, match="the engine is closed"):
         llm.generate(prompts(), GREEDY, use_tqdm=False)
