@@ -290,7 +290,9 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
     """Compiled decode buckets pass max_q_len=1 (the Pallas kernel then skips its mixed launch); token
     buckets, which also carry prefill chunks, pass None. The xla reference ignores the hint, so the
     calls are recorded at trace time: an empty step store (cache_dir) makes sure every step is traced
-    rather than loaded from an earlier test's or an earlier run's store."""
+    rather than loaded from an earlier test's or an earlier run's store, and jax's caches are cleared
+    before and after, so that no decoder layer an earlier test traced (`models.llama.decoder_layer` is
+    one jit) stands in for this test's and none traced with the recording reaches a later test."""
     import pallas_kernels
 
     seen = []
@@ -304,7 +306,11 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
     config = CompileConfig(
         decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False, lazy=False, cache_dir=str(tmp_path)
     )
-    make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
+    jax.clear_caches()
+    try:
+        make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
+    finally:
+        jax.clear_caches()
     # Each compiled forward traces the attention once per layer. (4, 4) is both a decode bucket and a
     # token bucket: compiled once as each.
     assert sorted(set(seen), key=str) == sorted({(2, 1), (4, 1), (4, None), (16, None)}, key=str)
