@@ -249,8 +249,8 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         init_s=init_s,
         warmup_s=sum(e.warmup_seconds for e in engines),
         compiled_executables=sum(e.runner.num_executables for e in engines),
-        lowering_s=sum(t[0] for e in engines for t in e.runner.compile_timings),
-        xla_compile_s=sum(t[1] for e in engines for t in e.runner.compile_timings),
+        lowering_s=sum(e.runner.compile_seconds()[0] for e in engines),
+        xla_compile_s=sum(e.runner.compile_seconds()[1] for e in engines),
     )
 
 

@@ -301,6 +301,10 @@ class Runner:
         """The (bucket, variant) steps whose forward and sampler are both compiled."""
         return tuple(step for step in self.spec.steps.compiled_steps() if self._executables(*step) is not None)
 
+    def compile_seconds(self) -> tuple[float, float]:
+        """(tracing + lowering, XLA compile) seconds summed over `compile_timings`."""
+        return sum(t[0] for t in self.compile_timings), sum(t[1] for t in self.compile_timings)
+
     @property
     def num_executables(self) -> int:
         return len(self._forwards) + len(self._samplers)
@@ -417,7 +421,7 @@ class Runner:
         compiled_in = time.perf_counter() - start
         first_runs = self._run_each_once() if jax.default_backend() == "gpu" else 0.0
         total = time.perf_counter() - start
-        lowering, xla = (sum(t[i] for t in self.compile_timings) for i in (0, 1))
+        lowering, xla = self.compile_seconds()
         logger.info(
             "warmup: %d forwards and %d samplers in %.1fs (%d threads; %s; %d compiled: %.1fs tracing and "
             "lowering, %.1fs in XLA, summed; each run once in %.1fs)",

@@ -108,3 +108,24 @@ def test_pallas_forward_calls_the_fused_kernels(name: str, tiny_hf_config) -> No
     assert calls["write_kv"] == (layers if cfg.qk_norm else 0), calls
     assert calls["add_rms_norm"] == 2 * layers, calls
     assert calls["ragged_paged_attention_decode"] + calls["ragged_paged_attention"] >= layers, calls
+
+
+def test_a_forward_traces_its_decoder_layer_once(tiny_hf_config, monkeypatch) -> None:
+    """The layers' arguments have the same shapes, so `decoder_layer` (one jit) is traced for the first layer
+    and reused for the others: a forward's tracing does not grow with the layer count."""
+    import models.llama
+
+    family, cfg, weights = _model("llama3_tied", tiny_hf_config)
+    assert cfg.num_layers > 1
+    cache = init_paged_cache(cfg, 8, 16, jnp.float32)
+    meta = _meta(STEPS[1], "xla", interpret=False)
+    ids = jnp.asarray([1, 2], jnp.int32)
+    traced = []
+    block = models.llama.attention_block
+    monkeypatch.setattr(models.llama, "attention_block", lambda *args: traced.append(1) or block(*args))
+    jax.clear_caches()  # no earlier test's trace of the layer stands in for this one
+    try:
+        jax.make_jaxpr(lambda w, c, t, p: family.forward(w, t, p, c, meta, cfg))(weights, cache, ids, ids)
+    finally:
+        jax.clear_caches()  # nor does this one's, with the counting wrapper, reach a later test
+    assert len(traced) == 1
