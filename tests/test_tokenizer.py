@@ -16,7 +16,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -60,9 +60,10 @@ def _tiny_hf_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
     )
 
 
-@pytest.fixture(autouse=True, params=["rust-stream", "python"])
+@pytest.fixture(params=["rust-stream", "python"])
 def detokenizer_path(request, monkeypatch) -> str:
-    """Every test runs on both detokenizer paths: the Rust DecodeStream and the Python fallback."""
+    """A test that asks for it runs on both detokenizer paths: the Rust DecodeStream and the Python fallback
+    (every test that streams through IncrementalDetokenizer does)."""
     import jaxserve.tokenizer as tokenizer_module
 
     if request.param == "python":
@@ -111,7 +112,7 @@ def _stream(tok: Tokenizer, ids: list[int], prompt_ids: tuple[int, ...] = ()) ->
     return deltas
 
 
-def test_multibyte_characters_are_held_back_until_complete(tok):
+def test_multibyte_characters_are_held_back_until_complete(tok, detokenizer_path):
     text = "héllo 世界 🙂 done"
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids[:2]).endswith("\ufffd")  # "é" really is split across byte tokens
@@ -120,9 +121,10 @@ def test_multibyte_characters_are_held_back_until_complete(tok):
     assert "" in deltas[:-1] and not any("\ufffd" in d for d in deltas)
 
 
-@settings(max_examples=40, deadline=None)
+# The detokenizer path fixture patches one function for the whole test: nothing to reset between examples.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(max_size=30), st.text(min_size=1, max_size=30))
-def test_streamed_deltas_add_up_to_the_text(tok, prompt, completion):
+def test_streamed_deltas_add_up_to_the_text(tok, detokenizer_path, prompt, completion):
     assume("\ufffd" not in completion and "<|" not in prompt + completion)
     prompt_ids = tuple(tok.encode(prompt, add_special_tokens=False))
     deltas = _stream(tok, tok.encode(completion, add_special_tokens=False), prompt_ids)
@@ -130,7 +132,7 @@ def test_streamed_deltas_add_up_to_the_text(tok, prompt, completion):
     assert not any("\ufffd" in d for d in deltas)
 
 
-def test_leading_space_rules_keep_their_context():
+def test_leading_space_rules_keep_their_context(detokenizer_path):
     # SentencePiece-style decoding drops the "▁" (space) of the first token it sees, so a token
     # decoded alone loses its space; the detokenizer must decode it next to its predecessor.
     backend = BackendTokenizer(models.BPE(unk_token="<unk>"))
@@ -145,7 +147,7 @@ def test_leading_space_rules_keep_their_context():
     assert "".join(_stream(tok, tok.encode("of France"), prompt)) == " of France"
 
 
-def test_flush_releases_an_incomplete_character(tok):
+def test_flush_releases_an_incomplete_character(tok, detokenizer_path):
     ids = tok.encode("ok 🙂", add_special_tokens=False)[:-1]  # the emoji's last byte never comes
     detok = IncrementalDetokenizer(tok)
     streamed = "".join(detok.add(i) for i in ids)
@@ -153,7 +155,7 @@ def test_flush_releases_an_incomplete_character(tok):
     assert detok.flush().endswith("\ufffd")
 
 
-def test_special_tokens_are_skipped_in_deltas(tok):
+def test_special_tokens_are_skipped_in_deltas(tok, detokenizer_path):
     ids = tok.encode("hello", add_special_tokens=False) + [tok.eos_token_ids[0]]
     assert "".join(_stream(tok, ids)) == "hello"
 
