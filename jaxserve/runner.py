@@ -454,8 +454,13 @@ class Runner:
         jax.block_until_ready(self.kv_cache)
         return time.perf_counter() - start
 
-    def compile_forward(self, bucket: Bucket, prompt_logprobs: bool, num_blocks: int) -> jax.stages.Compiled:
-        """Lowers and compiles one bucket's forward for a pool of num_blocks blocks."""
+    def compile_forward(
+        self, bucket: Bucket, prompt_logprobs: bool, num_blocks: int, compiler_options: dict[str, Any] | None = None
+    ) -> jax.stages.Compiled:
+        """Lowers and compiles one bucket's forward for a pool of num_blocks blocks, with XLA's
+        `compiler_options` (default: `forward_compiler_options`)."""
+        if compiler_options is None:
+            compiler_options = forward_compiler_options(self.mesh.devices.flat[0].platform, bucket)
         tensor_parallel = self.mesh.shape[MODEL_AXIS] > 1
         fn = partial(
             forward_fn,
@@ -477,8 +482,9 @@ class Runner:
         # donated: updated in place.
         out_shardings = (self._replicated, cache_shardings)
         jitted = jax.jit(fn, donate_argnames=("kv_cache",), out_shardings=out_shardings)
-        compile_fn = partial(_lower_and_compile, jitted, args, self.compile_timings)
-        return self._compiled("forward", (bucket, prompt_logprobs, tensor_parallel), args, compile_fn)
+        compile_fn = partial(_lower_and_compile, jitted, args, self.compile_timings, compiler_options)
+        options = sorted(compiler_options.items())
+        return self._compiled("forward", (bucket, prompt_logprobs, tensor_parallel, options), args, compile_fn)
 
     def compile_sampler(self, rows: int, mode: SamplerMode, penalties: bool) -> jax.stages.Compiled:
         """Lowers and compiles the sampler for `rows` rows in one mode, with or without penalties."""
@@ -589,14 +595,35 @@ class Runner:
             self.kv_cache = self._zero_cache(self.num_blocks)
 
 
-def _lower_and_compile(jitted: Any, args: tuple, timings: list[tuple[float, float]]) -> jax.stages.Compiled:
-    """jitted's executable for args; appends (seconds tracing and lowering, seconds in XLA's compile) to
-    timings. The first holds the GIL, the second releases it, so the warmup's threads overlap only the
-    second."""
+# On a GPU, forwards of at least this many tokens (the GEMMs' M) compile with XLA's Triton GEMMs off, so
+# cuBLAS runs them: as fast from 64 rows up (8B shape on an H200: decode 64 rows 5.14 ms against 5.34 with
+# Triton, 1024 rows 28.6 against 29.1) and 2-3x quicker to compile, Triton's autotuning being most of a cold
+# warmup's XLA time. Fewer rows keep XLA's choice: its Triton GEMMs are faster there (1 row 4.41 ms against
+# 5.91). `python benchmarks/gemm_options.py`; docs/benchmarks.md.
+CUBLAS_MIN_TOKENS = 64
+TRITON_GEMM_OPTION = "xla_gpu_enable_triton_gemm"
+
+
+def forward_compiler_options(platform: str, bucket: Bucket) -> dict[str, Any]:
+    """XLA options of one bucket's forward compile: Triton GEMMs off for GPU buckets of
+    >= CUBLAS_MIN_TOKENS tokens, none otherwise, and none when XLA_FLAGS sets the option itself."""
+    if platform not in ("gpu", "cuda"):
+        return {}
+    if TRITON_GEMM_OPTION in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {TRITON_GEMM_OPTION: False} if bucket.num_tokens >= CUBLAS_MIN_TOKENS else {}
+
+
+def _lower_and_compile(
+    jitted: Any, args: tuple, timings: list[tuple[float, float]], compiler_options: dict[str, Any] | None = None
+) -> jax.stages.Compiled:
+    """jitted's executable for args, compiled with XLA's compiler_options; appends (seconds tracing and
+    lowering, seconds in XLA's compile) to timings. The first holds the GIL, the second releases it, so the
+    warmup's threads overlap only the second."""
     t0 = time.perf_counter()
     lowered = jitted.lower(*args)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=compiler_options or None)
     timings.append((t1 - t0, time.perf_counter() - t1))
     return compiled
 

@@ -173,3 +173,38 @@ def test_running_every_step_once_leaves_the_pool_and_the_tokens_alone(tiny_model
     jax.tree.map(np.testing.assert_array_equal, after_pool, pool)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
     llm.close()
+
+
+def test_gpu_forwards_of_many_tokens_compile_with_cublas_gemms_only(monkeypatch):
+    from jaxserve.inputs import Bucket
+    from jaxserve.runner import CUBLAS_MIN_TOKENS, TRITON_GEMM_OPTION, forward_compiler_options
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    large, small = Bucket(CUBLAS_MIN_TOKENS, CUBLAS_MIN_TOKENS, decode_only=True), Bucket(CUBLAS_MIN_TOKENS - 1, 8)
+    assert forward_compiler_options("gpu", large) == {TRITON_GEMM_OPTION: False}
+    assert forward_compiler_options("gpu", Bucket(8192, 64)) == {TRITON_GEMM_OPTION: False}
+    assert forward_compiler_options("gpu", small) == {}
+    assert forward_compiler_options("cpu", large) == {}
+    # A user's own choice in XLA_FLAGS is left alone.
+    monkeypatch.setenv("XLA_FLAGS", f"--{TRITON_GEMM_OPTION}=true")
+    assert forward_compiler_options("gpu", large) == {}
+
+
+def test_a_forward_compiles_with_its_options_and_the_store_keys_them(tmp_path, tiny_model, make_llm):
+    config = CompileConfig(
+        decode_batch_sizes=(2,), token_buckets=(16,), penalty_variants=False, cache_dir=str(tmp_path), lazy=True
+    )
+    llm = make_llm(tiny_model("llama"), compile_config=config)
+    runner = llm.engine.runner
+    bucket, prompt_logprobs = min(llm.engine.steps.forwards(), key=lambda key: key[0].num_tokens)
+    # The options reach XLA's compile: one it does not know fails there.
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options={"xla_no_such_option": 1})
+    # Each set of options is its own executable in the store: a miss, then a hit; the default set another miss.
+    options = {"xla_gpu_enable_triton_gemm": False}
+    runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options=options)
+    runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options=options)
+    assert (runner.store.misses, runner.store.hits) == (2, 1)
+    runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks)
+    assert (runner.store.misses, runner.store.hits) == (3, 1)
+    llm.close()
