@@ -597,9 +597,9 @@ class Runner:
 
 # On a GPU, forwards of at least this many tokens (the GEMMs' M) compile with XLA's Triton GEMMs off, so
 # cuBLAS runs them: as fast from 64 rows up (8B shape on an H200: decode 64 rows 5.14 ms against 5.34 with
-# Triton, 1024 rows 28.6 against 29.1) and 2-3x quicker to compile, Triton's autotuning being most of a cold
-# warmup's XLA time. Fewer rows keep XLA's choice: its Triton GEMMs are faster there (1 row 4.41 ms against
-# 5.91). `python benchmarks/gemm_options.py`; docs/benchmarks.md.
+# Triton, 1024 rows 28.6 against 29.1), and a decode forward compiles 2-3x quicker, Triton's autotuning
+# being most of a cold warmup's XLA time. Fewer rows keep XLA's choice: its Triton GEMMs are faster there
+# (1 row 4.41 ms against 5.91). `python benchmarks/gemm_options.py`; docs/benchmarks.md.
 CUBLAS_MIN_TOKENS = 64
 TRITON_GEMM_OPTION = "xla_gpu_enable_triton_gemm"
 
