@@ -191,6 +191,8 @@ def test_gpu_forwards_of_many_tokens_compile_with_cublas_gemms_only(monkeypatch)
 
 
 def test_a_forward_compiles_with_its_options_and_the_store_keys_them(tmp_path, tiny_model, make_llm):
+    from jaxserve.runner import TRITON_GEMM_OPTION
+
     config = CompileConfig(
         decode_batch_sizes=(2,), token_buckets=(16,), penalty_variants=False, cache_dir=str(tmp_path), lazy=True
     )
@@ -201,7 +203,7 @@ def test_a_forward_compiles_with_its_options_and_the_store_keys_them(tmp_path, t
     with pytest.raises(Exception, match="xla_no_such_option"):
         runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options={"xla_no_such_option": 1})
     # Each set of options is its own executable in the store: a miss, then a hit; the default set another miss.
-    options = {"xla_gpu_enable_triton_gemm": False}
+    options = {TRITON_GEMM_OPTION: False}
     runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options=options)
     runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options=options)
     assert (runner.store.misses, runner.store.hits) == (2, 1)
