@@ -9,6 +9,8 @@ TPOT and latency percentiles (from `RequestOutput.metrics`), the step-time break
 `LLM.step_stats`), the KV pool and its peak usage, start-up and compile times.
 latency: `num_warmup`, then `num_iters` timed generates of one batch of `batch_size` requests; the report:
 the end-to-end latency of an iteration, TTFT, TPOT and output tok/s.
+Both can write an iteration log (trtllm-bench's `--iteration_log`): one JSON object per timed step
+(`iteration_records`), to see where a run's time went step by step.
 
 The workloads (random prompts, dataset files, warm-up and latency batches) are `jaxserve.workload`'s:
 every request makes exactly its output length of tokens (ignore_eos); greedy unless a temperature is given.
@@ -265,9 +267,51 @@ class TimedRun:
     elapsed_s: float
     stats: list[StepStats]
 
+    start: float = 0.0  # time.perf_counter() when the generate began
+
     @property
     def output_tokens(self) -> int:
         return sum(len(o.outputs[0].token_ids) for o in self.outputs)
+
+    def records(self, iteration: int = 0) -> list[dict[str, Any]]:
+        return iteration_records(self.stats, self.start, iteration)
+
+
+def iteration_records(stats: Sequence[StepStats], start: float, iteration: int = 0) -> list[dict[str, Any]]:
+    """One dict per step, in launch order: "iteration" (the timed generate it belongs to), "step" (its index
+    there), "launched_s" (seconds from the generate's start to the step's dispatch), "gap_ms" (to the next
+    step's dispatch in the same generate, null for the last: once the pipeline is full, the step's device
+    time), and StepStats' fields: num_tokens, num_seqs, num_prefill_rows, bucket_tokens, bucket_seqs
+    (the compiled shape it ran in), kv_usage, num_preempted, prefix_hit_rate, host_ms, dispatch_ms."""
+    records = []
+    for index, s in enumerate(stats):
+        gap = stats[index + 1].launched_at - s.launched_at if index + 1 < len(stats) else None
+        records.append(
+            {
+                "iteration": iteration,
+                "step": index,
+                "launched_s": s.launched_at - start,
+                "gap_ms": None if gap is None else 1e3 * gap,
+                "num_tokens": s.num_tokens,
+                "num_seqs": s.num_seqs,
+                "num_prefill_rows": s.num_prefill_rows,
+                "bucket_tokens": s.bucket_tokens,
+                "bucket_seqs": s.bucket_seqs,
+                "kv_usage": s.kv_usage,
+                "num_preempted": s.num_preempted,
+                "prefix_hit_rate": s.prefix_hit_rate,
+                "host_ms": 1e3 * s.host_seconds,
+                "dispatch_ms": 1e3 * s.dispatch_seconds,
+            }
+        )
+    return records
+
+
+def write_iteration_log(path: str, records: Sequence[dict[str, Any]]) -> None:
+    """JSON Lines, one record of `iteration_records` per line (floats rounded as in `to_json`)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(_rounded(record)) + "\n")
 
 
 def timed_generate(
@@ -285,7 +329,7 @@ def timed_generate(
     failed = [o for o in outputs if o.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}")
-    return TimedRun(outputs, elapsed, [s for s in llm.step_stats if s.launched_at >= start])
+    return TimedRun(outputs, elapsed, [s for s in llm.step_stats if s.launched_at >= start], start)
 
 
 def closed_loop_generate(
@@ -343,10 +387,14 @@ def run_throughput(
     engine: EngineSummary,
     warmup: Workload,
     max_concurrency: int | None = None,
+    iteration_log: str | None = None,
 ) -> ThroughputResult:
-    """The warm-up generate, then the timed one (at most max_concurrency requests at once)."""
+    """The warm-up generate, then the timed one (at most max_concurrency requests at once); its steps go to
+    `iteration_log` (a path, `write_iteration_log`) when given."""
     timed_generate(llm, warmup, sampling)
     run = timed_generate(llm, workload, sampling, max_concurrency)
+    if iteration_log is not None:
+        write_iteration_log(iteration_log, run.records())
     times = request_times(run.outputs)
     input_tokens = sum(len(o.prompt_token_ids) for o in run.outputs)
     return ThroughputResult(
@@ -385,10 +433,15 @@ class LatencyResult:
 
 
 def run_latency(
-    llm: LLM, batches: Sequence[Workload], sampling: SamplingOptions, engine: EngineSummary, num_warmup: int
+    llm: LLM,
+    batches: Sequence[Workload],
+    sampling: SamplingOptions,
+    engine: EngineSummary,
+    num_warmup: int,
+    iteration_log: str | None = None,
 ) -> LatencyResult:
     """Generates each batch in turn; the first `num_warmup` are not timed. output_tok_per_s is the mean
-    iteration's: output tokens over the mean latency."""
+    iteration's: output tokens over the mean latency. The timed iterations' steps go to `iteration_log`."""
     if len(batches) <= num_warmup:
         raise ValueError(f"got {len(batches)} batches for {num_warmup} warm-up iterations: none would be timed")
     for batch in batches[:num_warmup]:
@@ -399,6 +452,8 @@ def run_latency(
     first = batches[0]
     summary = percentiles(latencies)
     assert summary is not None  # at least one timed run
+    if iteration_log is not None:
+        write_iteration_log(iteration_log, [record for i, run in enumerate(runs) for record in run.records(i)])
     return LatencyResult(
         engine=engine,
         batch_size=first.num_requests,

@@ -216,6 +216,12 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     _add_engine_options(parser.add_argument_group("engine"))
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    output.add_argument(
+        "--iteration-log",
+        metavar="PATH",
+        help="write one JSON line per timed step: its rows, tokens, compiled shape, KV usage, host time and the "
+        "time to the next step's launch",
+    )
     output.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
 
@@ -339,6 +345,11 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _validate_bench(args: argparse.Namespace) -> None:
     """Checks that need several flags, and fills the throughput workload's defaults."""
+    if args.iteration_log is not None:
+        try:  # before the model loads: a run should not end on a path it cannot write
+            open(args.iteration_log, "w").close()
+        except OSError as error:
+            args.subparser.error(f"--iteration-log: cannot write {args.iteration_log!r}: {error.strerror}")
     if args.benchmark != "throughput":
         return
     if args.dataset is not None and args.input_len is not None:
@@ -372,9 +383,11 @@ def run_bench(args: argparse.Namespace) -> str:
     )
     if is_throughput:
         warmup = workload.warmup_workload(batches[0], vocab, args.seed)
-        result = bench.run_throughput(llm, batches[0], sampling, engine, warmup, args.max_concurrency)
+        result = bench.run_throughput(
+            llm, batches[0], sampling, engine, warmup, args.max_concurrency, args.iteration_log
+        )
     else:
-        result = bench.run_latency(llm, batches, sampling, engine, args.num_warmup)
+        result = bench.run_latency(llm, batches, sampling, engine, args.num_warmup, args.iteration_log)
     return bench.report(result, as_json=args.json)
 
 

@@ -45,6 +45,9 @@ ENGINE_KEYS = {
 }
 STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
 PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
+ITERATION_KEYS = {"iteration", "step", "launched_s", "gap_ms", "num_tokens", "num_seqs", "num_prefill_rows"}
+ITERATION_KEYS |= {"bucket_tokens", "bucket_seqs", "kv_usage", "num_preempted", "prefix_hit_rate", "host_ms"}
+ITERATION_KEYS |= {"dispatch_ms"}
 COMMON_KEYS = {"benchmark", "engine", "output_tok_per_s", "ttft_ms", "tpot_ms", "steps"}
 THROUGHPUT_KEYS = COMMON_KEYS | {
     "num_requests",
@@ -346,6 +349,14 @@ def test_the_readme_commands_parse():
         _validate_bench(build_parser().parse_args(shlex.split(command)[1:]))
 
 
+def test_an_unwritable_iteration_log_is_an_error_before_the_model_loads(tmp_path, capsys):
+    path = tmp_path / "no_dir" / "steps.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "latency", "--model", str(tmp_path / "no_model"), "--iteration-log", str(path)])
+    assert exit_info.value.code == 2
+    assert f"--iteration-log: cannot write {str(path)!r}: No such file or directory" in capsys.readouterr().err
+
+
 def test_a_bad_dataset_is_an_error_before_the_model_loads(tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     assert main(["bench", "throughput", "--dataset", str(missing), "--model", str(tmp_path / "no_model")]) == 1
@@ -362,9 +373,15 @@ def test_a_max_seq_len_shorter_than_the_workload_is_an_error(capsys):
     assert "--max-seq-len 11 is shorter than the longest request (12 tokens)" in capsys.readouterr().err
 
 
-def test_throughput_end_to_end_on_random_weights(capsys):
+def _iteration_log(path: Path) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records and all(set(r) == ITERATION_KEYS for r in records)
+    return records
+
+
+def test_throughput_end_to_end_on_random_weights(capsys, tmp_path):
     args = ["bench", "throughput", *TINY_ENGINE, "--num-requests", "6", "--input-len", "8", "--output-len", "4"]
-    assert main([*args, "--json"]) == 0
+    assert main([*args, "--json", "--iteration-log", str(tmp_path / "steps.jsonl")]) == 0
     record = json.loads(capsys.readouterr().out)
     assert set(record) == THROUGHPUT_KEYS and set(record["engine"]) == ENGINE_KEYS
     assert (record["num_requests"], record["input_tokens"], record["output_tokens"]) == (6, 48, 24)
@@ -378,6 +395,15 @@ def test_throughput_end_to_end_on_random_weights(capsys):
     # 6 requests over 4 rows: at least two prefill steps and 3 decode steps for the tokens after the first.
     assert steps["num_steps"] >= 5 and steps["decode_step_ms"] is not None and 0 < steps["peak_kv_usage"] <= 1
     assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_ms"]) == PERCENTILE_KEYS
+    # The iteration log: the timed generate's steps, in order; every prompt and output token but the last of
+    # each request (never fed back) went through one.
+    log = _iteration_log(tmp_path / "steps.jsonl")
+    assert [r["step"] for r in log] == list(range(steps["num_steps"])) and {r["iteration"] for r in log} == {0}
+    assert sum(r["num_tokens"] for r in log) == 48 + 24 - 6
+    assert all(r["num_seqs"] <= r["bucket_seqs"] <= 4 and r["num_tokens"] <= r["bucket_tokens"] for r in log)
+    assert log[-1]["gap_ms"] is None and all(r["gap_ms"] >= 0 for r in log[:-1])
+    assert 0 <= log[0]["launched_s"] < log[-1]["launched_s"] < record["elapsed_s"]
+    assert max(r["kv_usage"] for r in log) == pytest.approx(steps["peak_kv_usage"], rel=1e-5)
 
 
 def test_throughput_at_a_max_concurrency_keeps_that_many_requests_in_the_engine(capsys, monkeypatch):
@@ -415,10 +441,10 @@ def test_throughput_of_a_dataset_prints_the_table(tmp_path, capsys):
     assert "output tokens       6 (2.0 per request)" in table and "max_seq_len 12" in table
 
 
-def test_latency_end_to_end_on_random_weights(capsys):
+def test_latency_end_to_end_on_random_weights(capsys, tmp_path):
     args = ["bench", "latency", "--random-weights", "tiny-llama", "--input-len", "8", "--output-len", "4"]
     args += ["--num-iters", "3", "--decode-batch-sizes", "1", "--token-buckets", "8", "--json"]
-    assert main(args) == 0
+    assert main([*args, "--iteration-log", str(tmp_path / "steps.jsonl")]) == 0
     record = json.loads(capsys.readouterr().out)
     assert set(record) == LATENCY_KEYS and record["engine"]["max_batch_size"] == 1
     assert (record["batch_size"], record["input_len"], record["output_len"]) == (1, 8, 4)
@@ -428,6 +454,12 @@ def test_latency_end_to_end_on_random_weights(capsys):
     # Each iteration: one prefill step, then a decode step for each of the 3 tokens after the first.
     assert record["steps"]["num_steps"] >= 3 * 4
     assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_s"]) == PERCENTILE_KEYS
+    log = _iteration_log(tmp_path / "steps.jsonl")
+    assert len(log) == record["steps"]["num_steps"] and [r["iteration"] for r in log[:1]] == [0]
+    for iteration in range(3):  # each timed iteration's steps, numbered from 0: 8 prompt + 3 fed-back tokens
+        steps = [r for r in log if r["iteration"] == iteration]
+        assert [r["step"] for r in steps] == list(range(len(steps))) and steps[-1]["gap_ms"] is None
+        assert sum(r["num_tokens"] for r in steps) == 8 + 3
 
 
 def test_random_weights_are_handed_over_on_the_host():
