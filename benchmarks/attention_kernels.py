@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import statistics
 import sys
 from collections import defaultdict
@@ -84,6 +85,14 @@ for b, ctx, splits in ((16, 4096, 4), (16, 16384, 4), (64, 4096, 1), (64, 16384,
             max_q_len=1,
             **tiling,
         )
+# Short contexts at 32 rows (the decode step of 32 requests of 128 + 128 tokens): the default tiling (2 splits
+# of 64 keys, 4 warps, 3 stages) against the neighbours.
+for ctx in (192, 256):
+    _add(f"decode 32x{ctx}", "ours", [(1, ctx - 1)] * 32, max_q_len=1)
+    for n, bn, warps, stages in itertools.product((1, 2, 4), (32, 64), (2, 4), (2, 3)):
+        tiling = dict(num_splits=n, decode_block_n=bn, decode_num_warps=warps, decode_num_stages=stages)
+        name = f"sweep decode 32x{ctx} splits {n} block_n {bn} warps {warps} stages {stages}"
+        _add(name, "ours", [(1, ctx - 1)] * 32, max_q_len=1, **tiling)
 # Prefill tilings (block_m, block_n, num_warps, num_stages) for the 8192-token causal prompt.
 for bm, bn, warps, stages in (
     (128, 64, 4, 2),
