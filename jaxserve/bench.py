@@ -266,44 +266,33 @@ class TimedRun:
     outputs: list[RequestOutput]
     elapsed_s: float
     stats: list[StepStats]
-
     start: float = 0.0  # time.perf_counter() when the generate began
 
     @property
     def output_tokens(self) -> int:
         return sum(len(o.outputs[0].token_ids) for o in self.outputs)
 
-    def records(self, iteration: int = 0) -> list[dict[str, Any]]:
-        return iteration_records(self.stats, self.start, iteration)
 
-
-def iteration_records(stats: Sequence[StepStats], start: float, iteration: int = 0) -> list[dict[str, Any]]:
-    """One dict per step, in launch order: "iteration" (the timed generate it belongs to), "step" (its index
-    there), "launched_s" (seconds from the generate's start to the step's dispatch), "gap_ms" (to the next
-    step's dispatch in the same generate, null for the last: once the pipeline is full, the step's device
-    time), and StepStats' fields: num_tokens, num_seqs, num_prefill_rows, bucket_tokens, bucket_seqs
-    (the compiled shape it ran in), kv_usage, num_preempted, prefix_hit_rate, host_ms, dispatch_ms."""
+def iteration_records(run: TimedRun, iteration: int = 0) -> list[dict[str, Any]]:
+    """One dict per step of `run`, in launch order: "iteration" (the timed generate it belongs to), "step"
+    (its index there), "launched_s" (seconds from the generate's start to the step's dispatch), "gap_ms" (to
+    the next step's dispatch in the same generate, null for the last: once the pipeline is full, the step's
+    device time), then StepStats' fields with its seconds in ms (host_ms, dispatch_ms)."""
     records = []
-    for index, s in enumerate(stats):
-        gap = stats[index + 1].launched_at - s.launched_at if index + 1 < len(stats) else None
-        records.append(
-            {
-                "iteration": iteration,
-                "step": index,
-                "launched_s": s.launched_at - start,
-                "gap_ms": None if gap is None else 1e3 * gap,
-                "num_tokens": s.num_tokens,
-                "num_seqs": s.num_seqs,
-                "num_prefill_rows": s.num_prefill_rows,
-                "bucket_tokens": s.bucket_tokens,
-                "bucket_seqs": s.bucket_seqs,
-                "kv_usage": s.kv_usage,
-                "num_preempted": s.num_preempted,
-                "prefix_hit_rate": s.prefix_hit_rate,
-                "host_ms": 1e3 * s.host_seconds,
-                "dispatch_ms": 1e3 * s.dispatch_seconds,
-            }
-        )
+    for index, stats in enumerate(run.stats):
+        fields = dataclasses.asdict(stats)
+        launched = fields.pop("launched_at")
+        following = run.stats[index + 1].launched_at if index + 1 < len(run.stats) else None
+        record: dict[str, Any] = {
+            "iteration": iteration,
+            "step": index,
+            "launched_s": launched - run.start,
+            "gap_ms": None if following is None else 1e3 * (following - launched),
+        }
+        record.update(fields)
+        record["host_ms"] = 1e3 * record.pop("host_seconds")
+        record["dispatch_ms"] = 1e3 * record.pop("dispatch_seconds")
+        records.append(record)
     return records
 
 
@@ -394,7 +383,7 @@ def run_throughput(
     timed_generate(llm, warmup, sampling)
     run = timed_generate(llm, workload, sampling, max_concurrency)
     if iteration_log is not None:
-        write_iteration_log(iteration_log, run.records())
+        write_iteration_log(iteration_log, iteration_records(run))
     times = request_times(run.outputs)
     input_tokens = sum(len(o.prompt_token_ids) for o in run.outputs)
     return ThroughputResult(
@@ -453,7 +442,7 @@ def run_latency(
     summary = percentiles(latencies)
     assert summary is not None  # at least one timed run
     if iteration_log is not None:
-        write_iteration_log(iteration_log, [record for i, run in enumerate(runs) for record in run.records(i)])
+        write_iteration_log(iteration_log, [r for i, run in enumerate(runs) for r in iteration_records(run, i)])
     return LatencyResult(
         engine=engine,
         batch_size=first.num_requests,
