@@ -225,7 +225,7 @@ def decode_workload(steps: StepConfig, batch: int, context: int, params: Samplin
     scheduled = ScheduledBatch(rows=_rows(batch, context, 1, steps, params))
     # The previous step sampled these same rows: row b's pending token is row b's sample.
     inputs, bucket, _ = make_step_inputs(scheduled, scheduled, steps)
-    if bucket != Bucket(batch, batch, decode_only=True):
+    if (bucket.num_tokens, bucket.num_seqs, bucket.decode_only) != (batch, batch, True):
         raise RuntimeError(f"the decode batch landed in {bucket}, not the decode bucket of {batch} rows")
     return Workload(f"decode B={batch} C={context}", inputs, bucket, np.ones(batch), np.full(batch, context + 1))
 
