@@ -29,9 +29,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import glob
-import os
-import re
 import statistics
 import sys
 import tempfile
@@ -46,7 +43,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_profile import SHAPES, VARIANTS, Event, build_runner, decode_workload, read_trace  # noqa: E402
+from step_profile import (  # noqa: E402
+    DEVICE_PROCESS,
+    SHAPES,
+    VARIANTS,
+    Event,
+    build_runner,
+    decode_workload,
+    profiled_events,
+)
 
 from jaxserve.runner import enable_compilation_cache  # noqa: E402
 from jaxserve.sampling import SamplingParams  # noqa: E402
@@ -109,20 +114,15 @@ def traced_dispatches(runner: Any, work: Any, variant: Any, calls: int) -> list[
     """The host events of `calls` dispatches, each with the device idle before it (python tracer off)."""
     for _ in range(3):
         jax.block_until_ready((runner.run(work.inputs, work.bucket, variant), runner.kv_cache))
-    options = jax.profiler.ProfileOptions()
-    if hasattr(options, "python_tracer_level"):
-        options.python_tracer_level = 0
-    log_dir = tempfile.mkdtemp(prefix="dispatch_trace_")
-    with jax.profiler.trace(log_dir, profiler_options=options):
+
+    def dispatches() -> None:
         for _ in range(calls):
             with jax.profiler.TraceAnnotation("dispatch_inputs.call"):
                 out = runner.run(work.inputs, work.bucket, variant)
             jax.block_until_ready((out, runner.kv_cache))
-    runs = glob.glob(os.path.join(log_dir, "plugins", "profile", "*"))
-    if not runs:
-        raise RuntimeError(f"the profiler wrote no run under {log_dir}/plugins/profile")
-    events = read_trace(max(runs, key=os.path.getmtime))
-    return [e for e in events if not re.search(r"/device:(GPU|TPU):\d+", e.process)]
+
+    events = profiled_events(dispatches, tempfile.mkdtemp(prefix="dispatch_trace_"))
+    return [e for e in events if not DEVICE_PROCESS.search(e.process)]
 
 
 def own_times(events: list[Event]) -> list[tuple[Event, float]]:
@@ -165,8 +165,8 @@ def print_host_events(events: list[Event], top: int) -> None:
         row[0] += 1
         row[1] += e.dur
         row[2] += own
-    call_ms = sum(b - a for a, b in windows) / len(windows) / 1e3
-    print(f"trace: {len(windows)} dispatches, {call_ms:.3f} ms each inside the annotation; host events by own time")
+    call_ms = sum(b - a for a, b in windows) / calls / 1e3
+    print(f"trace: {calls} dispatches, {call_ms:.3f} ms each inside the annotation; host events by own time")
     print(f"{'thread':>24} {'calls/dispatch':>14} {'total ms':>9} {'own ms':>8}  name")
     ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])
     for (thread, name), (n, total, own) in ranked[:top]:

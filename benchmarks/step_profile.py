@@ -53,7 +53,7 @@ import re
 import sys
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -252,16 +252,29 @@ def wall_ms(runner: Runner, work: Workload, variant: StepVariant, calls: int) ->
     return (time.perf_counter() - start) / calls * 1e3
 
 
+# The trace's processes of a device (its kernels, copies and memsets); every other process is the host's.
+DEVICE_PROCESS = re.compile(r"/device:(GPU|TPU):\d+")
+
+
 def traced_events(runner: Runner, work: Workload, variant: StepVariant, calls: int, log_dir: str) -> list[Event]:
     """The events of `calls` back-to-back steps run under jax.profiler.trace (python tracer off)."""
     jax.block_until_ready(runner.run(work.inputs, work.bucket, variant))
+
+    def steps() -> None:
+        for _ in range(calls):
+            out = runner.run(work.inputs, work.bucket, variant)
+        jax.block_until_ready((out, runner.kv_cache))
+
+    return profiled_events(steps, log_dir)
+
+
+def profiled_events(body: Callable[[], None], log_dir: str) -> list[Event]:
+    """The events of body() run under jax.profiler.trace into log_dir (python tracer off)."""
     options = jax.profiler.ProfileOptions()
     if hasattr(options, "python_tracer_level"):
         options.python_tracer_level = 0
     with jax.profiler.trace(log_dir, profiler_options=options):
-        for _ in range(calls):
-            out = runner.run(work.inputs, work.bucket, variant)
-        jax.block_until_ready((out, runner.kv_cache))
+        body()
     runs = glob.glob(os.path.join(log_dir, "plugins", "profile", "*"))
     if not runs:
         raise RuntimeError(f"the profiler wrote no run under {log_dir}/plugins/profile")
@@ -301,7 +314,7 @@ def _read_xplane(path: str) -> list[Event]:
 
 def device_events(events: list[Event], platform: str) -> tuple[list[Event], str]:
     """The device's events and the rule that picked them (module docstring)."""
-    on_device = [e for e in events if re.search(r"/device:(GPU|TPU):\d+", e.process)]
+    on_device = [e for e in events if DEVICE_PROCESS.search(e.process)]
     streams = [e for e in on_device if e.thread.startswith("Stream")]
     if streams:
         unique = list({(e.process, e.name, e.ts, e.dur): e for e in streams}.values())
