@@ -22,6 +22,9 @@ docs/benchmarks.md, "Fifteenth 8B run").
 idle before each, and lists the host's events (every thread of every process that is not a device's: jax's
 and XLA's TraceMe scopes, CUPTI's CUDA API calls) by name: calls, total and own time (less the events nested
 in them on that thread) per dispatch, most own time first. That is where a dispatch's host time goes.
+
+--parts K times the step's two executables apart over K more "host" calls, the device idle before each: the
+forward's call and the sampler's (what fusing the two would save at most is the smaller one's dispatch).
 """
 
 from __future__ import annotations
@@ -110,6 +113,28 @@ def run_mode(runner: Any, work: Any, variant: Any, mode: str, calls: int) -> dic
     }
 
 
+def part_times(runner: Any, work: Any, variant: Any, calls: int) -> dict[str, float]:
+    """Median ms of the forward's call and of the sampler's call, each with the device idle before it, as
+    `runner.run` makes them (host inputs)."""
+    forward, sampler = runner._executables(work.bucket, variant)
+    inputs = work.inputs
+    forward_s, sampler_s = [], []
+    for i in range(3 + calls):  # the first three warm up the argument handling
+        t0 = time.perf_counter()
+        out, runner.kv_cache = forward(runner.weights, runner.kv_cache, replace(inputs, history=None), runner._previous)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        tokens, _, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, runner._key)
+        t3 = time.perf_counter()
+        jax.block_until_ready(tokens)
+        runner._previous, runner._key = tokens, key
+        if i >= 3:
+            forward_s.append(t1 - t0)
+            sampler_s.append(t3 - t2)
+    return {"forward_ms": 1e3 * statistics.median(forward_s), "sampler_ms": 1e3 * statistics.median(sampler_s)}
+
+
 def traced_dispatches(runner: Any, work: Any, variant: Any, calls: int) -> list[Event]:
     """The host events of `calls` dispatches, each with the device idle before it (python tracer off)."""
     for _ in range(3):
@@ -192,6 +217,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the modes (order host, fresh, same, two)")
     parser.add_argument("--trace", type=int, default=0, help="dispatches traced after the modes (0: none)")
+    parser.add_argument("--parts", type=int, default=0, help="calls timing the forward and sampler apart (0: none)")
     parser.add_argument("--top", type=int, default=30, help="host events listed from the trace")
     args = parser.parse_args()
     args.prefill = None
@@ -212,6 +238,9 @@ def main() -> None:
         for mode in ("host", "fresh", "same", "two"):
             r = run_mode(runner, work, variant, mode, args.calls)
             print(f"{repeat:>4} {mode:>6} " + " ".join(f"{r[n]:>12.3f}" for n in names), flush=True)
+    if args.parts:
+        parts = part_times(runner, work, variant, args.parts)
+        print("parts, idle ms a call: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
     if args.trace:
         print_host_events(traced_dispatches(runner, work, variant, args.trace + 1), args.top)
 
