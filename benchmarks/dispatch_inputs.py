@@ -23,8 +23,9 @@ idle before each, and lists the host's events (every thread of every process tha
 and XLA's TraceMe scopes, CUPTI's CUDA API calls) by name: calls, total and own time (less the events nested
 in them on that thread) per dispatch, most own time first. That is where a dispatch's host time goes.
 
---parts K times the step's two executables apart over K more "host" calls, the device idle before each: the
-forward's call and the sampler's (what fusing the two would save at most is the smaller one's dispatch).
+--parts K times the step's calls apart over K more "host" calls, the device idle before each: the forward's
+and the sampler's (none in a greedy step, whose forward samples: `StepVariant.greedy_in_forward`; use
+--variant candidates for a two-call step).
 """
 
 from __future__ import annotations
@@ -114,18 +115,22 @@ def run_mode(runner: Any, work: Any, variant: Any, mode: str, calls: int) -> dic
 
 
 def part_times(runner: Any, work: Any, variant: Any, calls: int) -> dict[str, float]:
-    """Median ms of the forward's call and of the sampler's call, each with the device idle before it, as
-    `runner.run` makes them (host inputs)."""
+    """Median ms of the forward's call and of the sampler's call (none in a `greedy_in_forward` step), each
+    with the device idle before it, as `runner.run` makes them (host inputs)."""
     forward, sampler = runner._executables(work.bucket, variant)
     inputs = work.inputs
     forward_s, sampler_s = [], []
     for i in range(3 + calls):  # the first three warm up the argument handling
         t0 = time.perf_counter()
-        out, runner.kv_cache = forward(runner.weights, runner.kv_cache, replace(inputs, history=None), runner._previous)
+        out, runner.kv_cache = forward(
+            runner.weights, runner.kv_cache, replace(inputs, history=None), runner._previous, runner._key
+        )
         t1 = time.perf_counter()
         jax.block_until_ready(out)
+        tokens, key = out.greedy_tokens, out.next_key
         t2 = time.perf_counter()
-        tokens, _, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, runner._key)
+        if sampler is not None:
+            tokens, _, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, runner._key)
         t3 = time.perf_counter()
         jax.block_until_ready(tokens)
         runner._previous, runner._key = tokens, key

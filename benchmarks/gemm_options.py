@@ -87,9 +87,10 @@ def main() -> None:
     rows = []
     print(f"{'step':<28} {'engine uses':<14} {'options':<14} {'compile s':>9} {'ms/step':>8}")
     for work in works:
-        runner._samplers[(work.bucket.num_seqs, variant.sampler, variant.penalties)] = runner.compile_sampler(
-            work.bucket.num_seqs, variant.sampler, variant.penalties
-        )
+        if not variant.greedy_in_forward:
+            runner._samplers[(work.bucket.num_seqs, variant.sampler, variant.penalties)] = runner.compile_sampler(
+                work.bucket.num_seqs, variant.sampler, variant.penalties
+            )
         chosen = forward_compiler_options(platform, work.bucket)
         engine_uses = next((name for name, options in OPTION_SETS.items() if options == chosen), repr(chosen))
         for name, options in OPTION_SETS.items():

@@ -254,8 +254,9 @@ NUM_CANDIDATES = 64
 @dataclass(frozen=True, slots=True)
 class StepVariant:
     """The static choices of a step besides its shape, chosen per step on the host (`choose_variant`).
-    The runner runs a step as two compiled calls: the forward, per (bucket, prompt_logprobs), and the
-    sampler, per (rows, sampler, penalties).
+    The runner runs a step as one or two compiled calls: the forward, per (bucket, prompt_logprobs), which
+    also samples greedily, and, unless the step is `greedy_in_forward`, the sampler, per (rows, sampler,
+    penalties).
 
     sampler: how the sampler cuts the filters (`SamplerMode`); every mode returns the sampled tokens'
         logprobs, every mode but GREEDY the top logprobs too.
@@ -267,6 +268,11 @@ class StepVariant:
     sampler: SamplerMode = SamplerMode.CANDIDATES
     penalties: bool = False
     prompt_logprobs: bool = False
+
+    @property
+    def greedy_in_forward(self) -> bool:
+        """A GREEDY step without penalties takes the forward's own greedy sample: no sampler call."""
+        return self.sampler is SamplerMode.GREEDY and not self.penalties
 
     def __str__(self) -> str:
         extras = [name for name in ("penalties", "prompt_logprobs") if getattr(self, name)]
@@ -314,15 +320,21 @@ class StepConfig:
 
     def samplers(self) -> tuple[tuple[int, SamplerMode, bool], ...]:
         """Every (rows, sampler mode, penalties) sampler compiled at warmup: one per row count of the
-        buckets, sampler mode and penalty choice."""
+        buckets, sampler mode and penalty choice, but GREEDY without penalties, which the forwards do
+        (`StepVariant.greedy_in_forward`)."""
         rows = sorted({bucket.num_seqs for bucket in self.buckets.buckets})
         penalties = (False, True) if self.penalty_variants else (False,)
-        return tuple(itertools.product(rows, SamplerMode, penalties))
+        return tuple(
+            (r, mode, p)
+            for r, mode, p in itertools.product(rows, SamplerMode, penalties)
+            if not StepVariant(mode, p).greedy_in_forward
+        )
 
     def variants(self, bucket: Bucket) -> tuple[StepVariant, ...]:
         """Every variant a step of this bucket can run as."""
         scoring = {flag for b, flag in self.forwards() if b == bucket}
-        samplers = [(mode, p) for rows, mode, p in self.samplers() if rows == bucket.num_seqs]
+        samplers = [(SamplerMode.GREEDY, False)]  # the forward's own
+        samplers += [(mode, p) for rows, mode, p in self.samplers() if rows == bucket.num_seqs]
         return tuple(StepVariant(mode, p, flag) for flag in sorted(scoring) for mode, p in samplers)
 
     def compiled_steps(self) -> tuple[tuple[Bucket, StepVariant], ...]:

@@ -7,17 +7,20 @@ Lifecycle (DESIGN.md "Runner lifecycle and KV capacity"):
     budget = capacity.kv_budget(profile, config)
     runner.start(budget.num_blocks)             # allocates the pool, compiles every forward and sampler
 
-One step is two compiled calls, dispatched back to back without waiting:
+One step is one or two compiled calls, dispatched back to back without waiting:
   1. the forward (`forward_fn`, one per (bucket, prompt_logprobs)): gathers the tokens the previous
      step sampled into this step's token_ids (overlap), runs the model over the flat token batch,
      writing K/V into the donated cache, and returns the logits at each sequence's last token with
-     the min_tokens bans applied; prompt-logprobs forwards also score every flat token's next prompt
-     token;
-  2. the sampler (`sampler_fn`, one per (rows, sampler mode, penalties)): penalties, the sampler, the
-     sampled tokens' logprobs, and the next PRNG key.
+     the min_tokens bans applied, and the GREEDY sampler's results over them (`greedy_sample`);
+     prompt-logprobs forwards also score every flat token's next prompt token;
+  2. unless the step is greedy without penalties (`StepVariant.greedy_in_forward`: the forward's greedy
+     sample is the step's), the sampler (`sampler_fn`, one per (rows, sampler mode, penalties)):
+     penalties, the sampler, the sampled tokens' logprobs, and the next PRNG key.
 Splitting them keeps the compile count down: a forward serves every sampling mode, and a sampler
-(no model in it) compiles in a fraction of a second. Neither has a device-side conditional, so the
-host never waits inside a call. Under tensor parallelism the weights and the cache are split over
+(no model in it) compiles in a fraction of a second. The greedy step, the commonest, is one call: a
+call's dispatch costs the host 0.3-0.5 ms even for the sampler (docs/benchmarks.md), and the forward's
+argmax over logits it has just written costs the sampling steps little. Neither call has a device-side
+conditional, so the host never waits inside a call. Under tensor parallelism the weights and the cache are split over
 the mesh's model axis by the rules table (the Pallas kernels run per device under shard_map,
 models/attention.py). The executables are the JAX stand-in for captured CUDA graphs: shapes and
 variants are fixed at start, and a step that was not compiled then is refused with an error naming
@@ -95,10 +98,14 @@ class StepOutput:
 class ForwardOutput:
     """What the forward returns: float32 logits at each row's last token (min_tokens bans applied) and
     each row's last input token (a carried one filled in: the newest history entry), for the sampler;
-    the prompt logprobs of prompt-logprobs forwards."""
+    the GREEDY sampler's results over those logits (`greedy_sample`: what a `greedy_in_forward` step
+    returns); the prompt logprobs of prompt-logprobs forwards."""
 
     logits: Float[Array, "B V"]
     last_tokens: Int[Array, " B"]
+    greedy_tokens: Int[Array, " Bmax"]
+    greedy_logprobs: TokenLogprobs
+    next_key: Array
     prompt_logprobs: TokenLogprobs | None = None
 
 
@@ -121,6 +128,7 @@ def forward_fn(
     kv_cache: PagedKVCache,
     inputs: StepInputs,
     previous_tokens: Int[Array, " Bmax"],
+    key: Array,
     *,
     spec: RunnerSpec,
     mesh: Mesh | None,
@@ -148,7 +156,8 @@ def forward_fn(
     if prompt_logprobs:
         score = partial(_raw_logits, weights, family=family, cfg=cfg)
         prompt = prompt_token_logprobs(score, hidden, inputs.prompt_targets, spec.num_top_logprobs)
-    return ForwardOutput(logits, token_ids[inputs.logits_indices], prompt), kv_cache
+    tokens, logprobs, next_key = greedy_sample(logits, key, spec=spec)
+    return ForwardOutput(logits, token_ids[inputs.logits_indices], tokens, logprobs, next_key, prompt), kv_cache
 
 
 def sampler_fn(
@@ -176,13 +185,32 @@ def sampler_fn(
     sampled, processed = sample_with_logits(logits, sampling, key, mode=mode, history=history)
     scored = processed if spec.logprobs_mode == "processed_logprobs" else logits
     if mode is SamplerMode.GREEDY:
-        chosen = token_logprobs(scored, sampled, 0)
-        empty = no_token_logprobs(logits.shape[0], spec.num_top_logprobs)
-        logprobs = TokenLogprobs(chosen.logprob, chosen.rank, empty.top_logprobs, empty.top_ids)
+        logprobs = _greedy_logprobs(scored, sampled, spec)
     else:
         logprobs = token_logprobs(scored, sampled, spec.num_top_logprobs)
-    padded = jnp.zeros(spec.steps.buckets.max_batch_size, jnp.int32).at[: sampled.shape[0]].set(sampled)
-    return padded, logprobs, next_key
+    return _padded(sampled, spec), logprobs, next_key
+
+
+def greedy_sample(
+    logits: Float[Array, "B V"], key: Array, *, spec: RunnerSpec
+) -> tuple[Int[Array, " Bmax"], TokenLogprobs, Array]:
+    """`sampler_fn`'s results in the GREEDY mode without penalties (the same tokens, logprobs and next
+    key), computed in the forward: the argmax of each row's logits, its logprob and rank (raw and processed
+    logits are the same here), the top-N zero."""
+    logits = logits.astype(jnp.float32)
+    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _padded(sampled, spec), _greedy_logprobs(logits, sampled, spec), jax.random.split(key)[1]
+
+
+def _greedy_logprobs(scored: Float[Array, "B V"], sampled: Int[Array, " B"], spec: RunnerSpec) -> TokenLogprobs:
+    chosen = token_logprobs(scored, sampled, 0)
+    empty = no_token_logprobs(scored.shape[0], spec.num_top_logprobs)
+    return TokenLogprobs(chosen.logprob, chosen.rank, empty.top_logprobs, empty.top_ids)
+
+
+def _padded(sampled: Int[Array, " B"], spec: RunnerSpec) -> Int[Array, " Bmax"]:
+    """The tokens padded to max_batch_size rows (the next step gathers from them whatever its bucket)."""
+    return jnp.zeros(spec.steps.buckets.max_batch_size, jnp.int32).at[: sampled.shape[0]].set(sampled)
 
 
 def _gather_carried(inputs: StepInputs, previous_tokens: Int[Array, " Bmax"]) -> Int[Array, " T"]:
@@ -369,7 +397,7 @@ class Runner:
         """Runs a step compiled for a small pool once on an all-padding batch (for its memory peak); the
         pool `kv_cache` is donated to it."""
         inputs = padding_inputs(bucket, variant, self.spec.steps)
-        out, _ = forward(self.weights, kv_cache, replace(inputs, history=None), self._previous)
+        out, _ = forward(self.weights, kv_cache, replace(inputs, history=None), self._previous, self._key)
         jax.block_until_ready(sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key))
 
     def set_steps(self, steps: StepConfig) -> None:
@@ -445,7 +473,9 @@ class Runner:
         start, steps, ran = time.perf_counter(), self.spec.steps, set()
         for (bucket, prompt_logprobs), forward in self._forwards.items():
             inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), steps)
-            out, self.kv_cache = forward(self.weights, self.kv_cache, replace(inputs, history=None), self._previous)
+            out, self.kv_cache = forward(
+                self.weights, self.kv_cache, replace(inputs, history=None), self._previous, self._key
+            )
             for (rows, mode, penalties), sampler in self._samplers.items():
                 if rows == bucket.num_seqs and (rows, mode, penalties) not in ran:
                     padding = padding_inputs(bucket, StepVariant(mode, penalties), steps)
@@ -476,7 +506,8 @@ class Runner:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh), specs, cache_shardings
         )
         inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), self.spec.steps)
-        args = (weights, cache, jax.tree.map(self._abstract, inputs), self._abstract(self._previous))
+        abstract_inputs = jax.tree.map(self._abstract, inputs)
+        args = (weights, cache, abstract_inputs, self._abstract(self._previous), self._abstract(self._key))
         # The outputs replicated (under tensor parallelism XLA would leave the logits split over the vocabulary,
         # which the sampler, compiled for replicated logits, refuses) and the pool kept in its own layout,
         # donated: updated in place.
@@ -512,8 +543,11 @@ class Runner:
 
     def _executables(
         self, bucket: Bucket, variant: StepVariant
-    ) -> tuple[jax.stages.Compiled, jax.stages.Compiled] | None:
+    ) -> tuple[jax.stages.Compiled, jax.stages.Compiled | None] | None:
+        """The step's forward and sampler (None for a `greedy_in_forward` step); None when one is missing."""
         forward = self._forwards.get((bucket, variant.prompt_logprobs))
+        if variant.greedy_in_forward:
+            return None if forward is None else (forward, None)
         sampler = self._samplers.get((bucket.num_seqs, variant.sampler, variant.penalties))
         return None if forward is None or sampler is None else (forward, sampler)
 
@@ -536,8 +570,13 @@ class Runner:
         forward, sampler = executables
         if self.channel is not None:
             self.channel.send_step(self.spec.steps, bucket, variant, inputs)
-        out, self.kv_cache = forward(self.weights, self.kv_cache, replace(inputs, history=None), self._previous)
-        tokens, logprobs, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key)
+        out, self.kv_cache = forward(
+            self.weights, self.kv_cache, replace(inputs, history=None), self._previous, self._key
+        )
+        if sampler is None:  # greedy_in_forward
+            tokens, logprobs, key = out.greedy_tokens, out.greedy_logprobs, out.next_key
+        else:
+            tokens, logprobs, key = sampler(out.logits, out.last_tokens, inputs.sampling, inputs.history, self._key)
         self._previous, self._key = tokens, key
         return StepOutput(tokens, logprobs, key, out.prompt_logprobs)
 
@@ -553,14 +592,14 @@ class Runner:
         """The step's forward and sampler, compiling (or loading) whichever is missing, when the step table
         has them; None when it does not (`run` refuses the step)."""
         forward_key = (bucket, variant.prompt_logprobs)
-        sampler_key = (bucket.num_seqs, variant.sampler, variant.penalties)
-        if forward_key not in self._allowed[0] or sampler_key not in self._allowed[1]:
+        sampler_key = None if variant.greedy_in_forward else (bucket.num_seqs, variant.sampler, variant.penalties)
+        if forward_key not in self._allowed[0] or (sampler_key is not None and sampler_key not in self._allowed[1]):
             return None
         start = time.perf_counter()
         if forward_key not in self._forwards:
             self._forwards[forward_key] = self.compile_forward(*forward_key, self.num_blocks)
             logger.info("compiled on first use: forward %s", _describe("forward", forward_key))
-        if sampler_key not in self._samplers:
+        if sampler_key is not None and sampler_key not in self._samplers:
             self._samplers[sampler_key] = self.compile_sampler(*sampler_key)
             logger.info("compiled on first use: sampler %s", _describe("sampler", sampler_key))
         seconds = time.perf_counter() - start

@@ -389,8 +389,9 @@ def test_throughput_end_to_end_on_random_weights(capsys, tmp_path):
     assert engine["model"] == "tiny-llama (random weights)" and engine["backend"] == "xla"
     assert (engine["tensor_parallel_size"], engine["data_parallel_size"]) == (1, 1)
     assert (engine["max_batch_size"], engine["max_num_tokens"], engine["max_seq_len"]) == (4, 32, 12)
-    # 4 forwards (decode 2, 4; tokens 16, 32) and a sampler per row count (2, 4) and mode (3)
-    assert engine["compiled_executables"] == 4 + 2 * 3 and engine["kv_tokens"] >= 4 * 12
+    # 4 forwards (decode 2, 4; tokens 16, 32) and a sampler per row count (2, 4) and mode (3) but greedy,
+    # which the forwards sample
+    assert engine["compiled_executables"] == 4 + 2 * 2 and engine["kv_tokens"] >= 4 * 12
     steps = record["steps"]
     # 6 requests over 4 rows: at least two prefill steps and 3 decode steps for the tokens after the first.
     assert steps["num_steps"] >= 5 and steps["decode_step_ms"] is not None and 0 < steps["peak_kv_usage"] <= 1
@@ -449,8 +450,9 @@ def test_latency_end_to_end_on_random_weights(capsys, tmp_path):
     assert set(record) == LATENCY_KEYS and record["engine"]["max_batch_size"] == 1
     assert (record["batch_size"], record["input_len"], record["output_len"]) == (1, 8, 4)
     assert (record["num_iters"], record["num_warmup"], len(record["iteration_latencies_s"])) == (3, 1, 3)
-    # forwards: decode 1, prefill 8, and max_num_tokens = 12; samplers: 1 row in 3 modes
-    assert record["engine"]["compiled_executables"] == 3 + 3
+    # forwards: decode 1, prefill 8, and max_num_tokens = 12; samplers: 1 row in 2 modes (greedy
+    # is sampled inside the forward)
+    assert record["engine"]["compiled_executables"] == 3 + 2
     # Each iteration: one prefill step, then a decode step for each of the 3 tokens after the first.
     assert record["steps"]["num_steps"] >= 3 * 4
     assert set(record["ttft_ms"]) == set(record["tpot_ms"]) == set(record["latency_s"]) == PERCENTILE_KEYS

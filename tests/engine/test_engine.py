@@ -352,8 +352,8 @@ def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
     runner, steps = llm.engine.runner, llm.engine.steps
     assert runner.compiled_steps == steps.compiled_steps()
     assert (
-        runner.num_executables == len(steps.forwards()) + len(steps.samplers()) == 5 + 1 * 3 * 2
-    )  # (decode 4, tokens 16, 32, 16 and 32 scoring); 4 rows x 3 modes x 2
+        runner.num_executables == len(steps.forwards()) + len(steps.samplers()) == 5 + 1 * 3 * 2 - 1
+    )  # (decode 4, tokens 16, 32, 16 and 32 scoring); 4 rows x 3 modes x 2, but greedy without penalties
     original = Runner.run
     ran = record_runs()
     rng = np.random.default_rng(8)

@@ -350,7 +350,12 @@ def test_forwards_samplers_and_the_steps_they_serve():
     assert (decode, False) in config.forwards() and (decode, True) not in config.forwards()
     assert {(token, False), (token, True)} <= set(config.forwards())
     rows = sorted({b.num_seqs for b in config.buckets.buckets})
-    assert config.samplers() == tuple((r, m, p) for r in rows for m in SamplerMode for p in (False, True))
+    # GREEDY without penalties is the forward's own sample: no sampler for it.
+    expected = tuple((r, m, p) for r in rows for m in SamplerMode for p in (False, True))
+    assert config.samplers() == tuple(s for s in expected if s[1:] != (SamplerMode.GREEDY, False))
+    assert StepVariant(SamplerMode.GREEDY).greedy_in_forward
+    assert not StepVariant(SamplerMode.GREEDY, penalties=True).greedy_in_forward
+    assert not StepVariant(SamplerMode.CANDIDATES).greedy_in_forward
     assert len(config.variants(decode)) == 3 * 2 and len(config.variants(token)) == 3 * 2 * 2
     assert StepVariant(SamplerMode.SORTED, True, True) in config.variants(token)
     assert config.compiled_steps() == tuple((b, v) for b in config.buckets.buckets for v in config.variants(b))
