@@ -1,12 +1,14 @@
 """Host time of `make_step_inputs` on a steady-decode batch: B decode rows with C-token contexts, each
-row's input pending (overlap: the previous step is the same batch), block tables a seeded permutation
+row's input pending (overlap: the previous step has the same rows), block tables a seeded permutation
 of the pool, as benchmarks/step_profile.py builds its decode step; each request holds its own copy of the
 SamplingParams, as in the engine. No device, no jax.
 
     python benchmarks/step_inputs.py --batch 1024 --context 192 [--temperature 0.8 --top-k 50 --seed 0]
     python benchmarks/step_inputs.py --batch 1024 --penalty 1.1     # the penalties variant (token history)
 
-Prints the median, min and max milliseconds per call over --repeats rounds of --calls calls each.
+Prints the median, min and max milliseconds per call over --repeats rounds of --calls calls each, for a
+steady decode step (the same rows one token further: built from the previous step's inputs) and for the
+same rows built in full (interleaved rounds).
 """
 
 from __future__ import annotations
@@ -84,19 +86,28 @@ def main() -> None:
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, seed=args.seed, repetition_penalty=args.penalty
     )
-    scheduled = decode_batch(steps, args.batch, args.context, params)
-    _, bucket, variant = make_step_inputs(scheduled, scheduled, steps)
-    times = []
+    previous = decode_batch(steps, args.batch, args.context, params)
+    _, bucket, variant = make_step_inputs(previous, previous, steps)  # `previous` now holds its inputs
+    # "steady": the next step of the same rows, built from the previous step's inputs; "full": a batch of
+    # the previous step's rows again (not one token further), which make_step_inputs builds in full.
+    following = [
+        dataclasses.replace(r, start=r.start + 1, generation_index=r.generation_index + 1) for r in previous.rows
+    ]
+    cases = {"steady": following, "full": previous.rows}
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            make_step_inputs(scheduled, scheduled, steps)
-        times.append((time.perf_counter() - start) / args.calls * 1e3)
-    print(
-        f"make_step_inputs, {args.batch} decode rows, context {args.context}, {bucket}, {variant}: "
-        f"median {statistics.median(times):.3f} ms (min {min(times):.3f}, max {max(times):.3f}) "
-        f"over {args.repeats} x {args.calls} calls"
-    )
+        for name, rows in cases.items():
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                # A batch of its own each call, as each step's is (a batch keeps what was built for it).
+                make_step_inputs(ScheduledBatch(rows=rows), previous, steps)
+            times[name].append((time.perf_counter() - start) / args.calls * 1e3)
+    for name, values in times.items():
+        print(
+            f"make_step_inputs ({name}), {args.batch} decode rows, context {args.context}, {bucket}, {variant}: "
+            f"median {statistics.median(values):.3f} ms (min {min(values):.3f}, max {max(values):.3f}) "
+            f"over {args.repeats} x {args.calls} calls"
+        )
 
 
 if __name__ == "__main__":

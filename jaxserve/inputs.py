@@ -353,26 +353,29 @@ class StepConfig:
     def choose_variant(self, batch: ScheduledBatch, columns: BatchColumns) -> StepVariant:
         """The variant a batch needs: penalties or prompt logprobs when a row asks, and the cheapest
         sampler mode that is exact for every row (`columns`: the batch's, `BatchColumns.of`)."""
-        sampling = columns.sampling[columns.samples]  # others' logits are unused
-        prompt_logprobs = any(_scores_prompt(batch.rows[b]) for b in np.flatnonzero(columns.sampling["scores"]))
-        return StepVariant(self._sampler_mode(sampling), bool(sampling["penalty"].any()), prompt_logprobs)
+        records, samples = columns.sampling, columns.samples  # the logits of rows that do not sample are unused
+        prompt_logprobs = any(_scores_prompt(batch.rows[b]) for b in np.flatnonzero(records["scores"]))
+        penalties = bool((records["penalty"] & samples).any())
+        return StepVariant(self._sampler_mode(records, samples), penalties, prompt_logprobs)
 
     def sampler_mode(self, params: list[SamplingParams]) -> SamplerMode:
         """GREEDY when every row is greedy and none wants top logprobs (the sampled token's own logprob,
         `logprobs=0` or `token_logprobs`, comes with every mode); CANDIDATES when every sampling row's
         filters fit NUM_CANDIDATES logits; else SORTED."""
-        return self._sampler_mode(np.array([_record_values(p, None) for p in params], dtype=SAMPLING_RECORD))
+        records = np.array([_record_values(p, None) for p in params], dtype=SAMPLING_RECORD)
+        return self._sampler_mode(records, np.ones(len(records), dtype=np.bool_))
 
-    def _sampler_mode(self, records: np.ndarray) -> SamplerMode:
-        """sampler_mode over rows' SAMPLING_RECORDs."""
-        sampling = records[~records["greedy"]]
-        if not sampling.size and not records["top_logprobs"].any():
+    def _sampler_mode(self, records: np.ndarray, samples: np.ndarray) -> SamplerMode:
+        """sampler_mode over the SAMPLING_RECORDs of the rows where `samples` (masks over the fields, not a
+        copy of the records: selecting rows of a structured array costs ~0.1 ms at 1024 rows)."""
+        sampling = samples & ~records["greedy"]
+        if not sampling.any() and not (samples & records["top_logprobs"]).any():
             return SamplerMode.GREEDY
-        top_k = sampling["top_k"]  # 0: no top-k; one of the vocabulary's size or more is none either
+        top_k = records["top_k"]  # 0: no top-k; one of the vocabulary's size or more is none either
         limited = (top_k > 0) & (top_k < self.vocab_size)
         # Without a top-k, min-p alone needs only the maximum; a top-p below 1 needs the whole mass.
-        fits = np.where(limited, top_k <= NUM_CANDIDATES, ~sampling["partial_top_p"])
-        return SamplerMode.CANDIDATES if fits.all() else SamplerMode.SORTED
+        fits = np.where(limited, top_k <= NUM_CANDIDATES, ~records["partial_top_p"])
+        return SamplerMode.CANDIDATES if fits[sampling].all() else SamplerMode.SORTED
 
     def check_supported(self, params: SamplingParams, num_eos_tokens: int) -> None:
         """Raises a ValueError naming the knob when a request needs a variant this engine does not compile."""
@@ -523,22 +526,96 @@ def make_step_inputs(
 ) -> tuple[StepInputs, Bucket, StepVariant]:
     """The one place a step's inputs are built: the batch's rows packed token-major into the smallest
     bucket that holds them, for the variant they need. `previous` is the step still in flight, whose
-    samples are this step's pending input tokens."""
+    samples are this step's pending input tokens. The result is kept on the batch (`ScheduledBatch.step`):
+    a steady decode step, the previous one's rows one token further, is built from it (`_advanced`)."""
     if not batch.rows:
         raise ValueError("cannot build step inputs for an empty batch")
     columns = BatchColumns.of(batch)
+    advanced = None if previous is None or previous.step is None else _advanced(batch, columns, previous, config)
+    batch.step = advanced or _built(batch, columns, previous, config)
+    return batch.step
+
+
+def _built(
+    batch: ScheduledBatch, columns: BatchColumns, previous: ScheduledBatch | None, config: StepConfig
+) -> tuple[StepInputs, Bucket, StepVariant]:
+    """The step's inputs filled in over an all-padding step of its bucket."""
     kv_lens = columns.starts + columns.q_lens
     bucket = config.buckets.lookup(int(columns.q_lens.sum()), len(batch.rows), batch.is_decode_only, int(kv_lens.max()))
     variant = config.choose_variant(batch, columns)
     inputs = padding_inputs(bucket, variant, config)
     _fill_flat_batch(inputs, batch, columns, config.buckets)
     _fill_carried(inputs, columns, previous)
-    _fill_banned(inputs, columns)
+    _fill_banned(inputs.banned_tokens, columns)
     _fill_sampling(inputs.sampling, columns)
     if inputs.history is not None:
         _fill_history(inputs.history, columns, inputs.carried_mask)
     if inputs.prompt_targets is not None:
         _fill_prompt_targets(inputs.prompt_targets, batch, columns, inputs.cu_q_lens)
+    return inputs, bucket, variant
+
+
+def _advanced(
+    batch: ScheduledBatch, columns: BatchColumns, previous: ScheduledBatch, config: StepConfig
+) -> tuple[StepInputs, Bucket, StepVariant] | None:
+    """Steady decode: every row is the previous step's row of the same request, in the same order, one
+    token further, with that step's sample as its input. Then the bucket and variant are the previous
+    step's (the same requests' records, every row sampling; no token history: the penalties variant is
+    built in full) and so are most inputs; what moves is computed from the previous step's arrays:
+    positions, kv_lens, slots, the block table's entries for rows that enter a new block, the banned ids
+    and generation_index. None when the batch is anything else (then `_built` makes it, with its errors).
+    tests/engine/test_inputs.py checks that both give the same inputs over a scheduler's steps."""
+    previous_inputs, bucket, variant = previous.step
+    before, n = BatchColumns.of(previous), len(columns.requests)
+    if (
+        variant.penalties
+        or variant.prompt_logprobs
+        or not (batch.is_decode_only and previous.is_decode_only and n == len(before.requests))
+        or not ((columns.q_lens == 1).all() and (before.q_lens == 1).all())
+        or not (columns.input_pending.all() and columns.samples.all() and before.samples.all())
+        or not np.array_equal(columns.starts, before.starts + 1)
+        or columns.requests != before.requests  # by identity (Request has no __eq__)
+    ):
+        return None
+    starts, block_size = columns.starts, config.buckets.block_size
+    if config.buckets.lookup(n, n, True, int(starts.max()) + 1) != bucket:
+        return None
+    table = previous_inputs.block_table
+    entering = np.flatnonzero(starts % block_size == 0)  # their new token is the first of a block
+    if entering.size:
+        index = starts[entering] // block_size
+        blocks = [batch.rows[b].block_ids for b in entering.tolist()]
+        if (index >= table.shape[1]).any() or (index >= [len(ids) for ids in blocks]).any():
+            return None  # a row without its next block: `_built` says which
+        table = table.copy()
+        table[entering, index] = [ids[k] for ids, k in zip(blocks, index.tolist(), strict=True)]
+    positions, kv_lens, slots = (
+        a.copy() for a in (previous_inputs.positions, previous_inputs.kv_lens, previous_inputs.slot_mapping)
+    )
+    positions[:n] = starts
+    kv_lens[:n] = starts + 1
+    slots[:n] = table[np.arange(n), starts // block_size] * block_size + starts % block_size
+    banned = np.full_like(previous_inputs.banned_tokens, config.vocab_size)
+    _fill_banned(banned, columns)
+    generation_index = previous_inputs.sampling.generation_index.copy()
+    generation_index[:n] = columns.generation_index
+    carried_mask, carried_source = (
+        np.zeros_like(previous_inputs.carried_mask),
+        np.zeros_like(previous_inputs.carried_source),
+    )
+    carried_mask[:n], carried_source[:n] = True, np.arange(n)  # every input the same row's sample
+    inputs = replace(
+        previous_inputs,
+        token_ids=np.zeros_like(previous_inputs.token_ids),
+        carried_mask=carried_mask,
+        carried_source=carried_source,
+        positions=positions,
+        slot_mapping=slots,
+        kv_lens=kv_lens,
+        block_table=table,
+        banned_tokens=banned,
+        sampling=replace(previous_inputs.sampling, generation_index=generation_index),
+    )
     return inputs, bucket, variant
 
 
@@ -601,6 +678,13 @@ class BatchColumns:
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> BatchColumns:
+        """The batch's columns, read on the first call and kept on the batch (`ScheduledBatch.columns`)."""
+        if batch.columns is None:
+            batch.columns = cls._read(batch)
+        return batch.columns
+
+    @classmethod
+    def _read(cls, batch: ScheduledBatch) -> BatchColumns:
         rows, n = batch.rows, len(batch.rows)
         requests = [row.request for row in rows]
         records = [request.sampling_record for request in requests]
@@ -633,14 +717,13 @@ def _fill_flat_batch(inputs: StepInputs, batch: ScheduledBatch, columns: BatchCo
     _fill_block_table(inputs.block_table, batch, inputs.kv_lens, buckets)
     block_of_token = inputs.block_table[row_of_token, positions // buckets.block_size]
     inputs.slot_mapping[:num_real] = block_of_token * buckets.block_size + positions % buckets.block_size
-    _fill_token_ids(inputs.token_ids, batch, inputs.cu_q_lens[:n])
+    if num_real > np.count_nonzero(columns.input_pending):  # else every input is on the device (steady decode)
+        _fill_token_ids(inputs.token_ids, batch, inputs.cu_q_lens[:n])
 
 
 def _fill_token_ids(token_ids: np.ndarray, batch: ScheduledBatch, row_offsets: np.ndarray) -> None:
     """Host-known input tokens at their flat positions; pending ones (and padding) stay 0."""
     token_lists = [row.token_ids for row in batch.rows]
-    if not any(token_lists):
-        return  # decode rows whose inputs are all still on the device
     known = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int32, count=int(known.sum()))
     known_offsets = np.cumsum(known) - known
@@ -653,7 +736,7 @@ def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndar
     n = len(rows)
     needed = -(-kv_lens[:n] // buckets.block_size)
     block_arrays = [row.block_ids for row in rows]
-    held = np.fromiter(map(len, block_arrays), dtype=np.int64, count=n)
+    held = np.array([len(blocks) for blocks in block_arrays], dtype=np.int64)
     width = table.shape[1]
     short = np.flatnonzero((needed > width) | (needed > held))
     if short.size:
@@ -678,8 +761,8 @@ def _fill_carried(inputs: StepInputs, columns: BatchColumns, previous: Scheduled
     pending = np.flatnonzero(columns.input_pending)
     if not pending.size:
         return
-    previous_rows = [] if previous is None else previous.rows
-    previous_requests = [row.request for row in previous_rows]
+    previous_columns = None if previous is None else BatchColumns.of(previous)
+    previous_requests = [] if previous_columns is None else previous_columns.requests
     requests = columns.requests
     waiting = requests if pending.size == len(requests) else [requests[b] for b in pending.tolist()]
     if waiting == previous_requests:  # steady decode: the previous step's rows, in order (compared by identity)
@@ -688,7 +771,7 @@ def _fill_carried(inputs: StepInputs, columns: BatchColumns, previous: Scheduled
         row_of = dict(zip(previous_requests, range(len(previous_requests)), strict=False))
         found = list(map(row_of.get, waiting))
         sources = np.fromiter([-1 if s is None else s for s in found], dtype=np.int64, count=len(found))
-    sampled = np.fromiter([row.samples for row in previous_rows], dtype=np.bool_, count=len(previous_rows))
+    sampled = np.zeros(0, dtype=np.bool_) if previous_columns is None else previous_columns.samples
     missing = np.flatnonzero(~np.append(sampled, False)[sources])  # source -1 (not a previous row) reads False
     if missing.size:
         request = waiting[missing[0]]
@@ -699,12 +782,12 @@ def _fill_carried(inputs: StepInputs, columns: BatchColumns, previous: Scheduled
     inputs.carried_source[pending] = sources
 
 
-def _fill_banned(inputs: StepInputs, columns: BatchColumns) -> None:
+def _fill_banned(banned_tokens: np.ndarray, columns: BatchColumns) -> None:
     """EOS and stop ids a row may not sample yet (min_tokens)."""
     for b in np.flatnonzero(columns.generation_index < columns.sampling["min_tokens"]).tolist():
         request = columns.requests[b]
         ids = [*request.eos_token_ids, *request.sampling_params.stop_token_ids][:MAX_BANNED_TOKENS]
-        inputs.banned_tokens[b, : len(ids)] = ids
+        banned_tokens[b, : len(ids)] = ids
 
 
 def _fill_sampling(sampling: SamplingInputs, columns: BatchColumns) -> None:

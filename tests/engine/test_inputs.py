@@ -562,3 +562,63 @@ def test_step_inputs_equal_a_row_by_row_construction_on_random_batches(seed):
         else:
             assert got[name].dtype == wanted.dtype, name
             np.testing.assert_array_equal(got[name], wanted, err_msg=name)
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_steady_decode_steps_built_from_the_previous_step_equal_steps_built_in_full(policy):
+    """`make_step_inputs` builds a steady decode step from the previous step's inputs (`_advanced`): over a
+    scheduler's steps with the engine's overlap (step N+1 scheduled before step N's tokens arrive), with
+    admissions, finishes, preemptions (a small pool), forks (n=2), min_tokens bans and blocks filling up,
+    every step it so builds equals the same batch built in full."""
+    from jaxserve.block_manager import BlockManager
+    from jaxserve.config import CapacityPolicy, SchedulerConfig
+    from jaxserve.inputs import BatchColumns, _advanced, _built
+    from jaxserve.scheduler import Scheduler
+
+    config = EngineConfig(
+        8,
+        32,
+        64,
+        kv_cache=KvCacheConfig(block_size=4),
+        scheduler=SchedulerConfig(capacity_policy=CapacityPolicy(policy)),
+        compile=CompileConfig(decode_batch_sizes=(1, 2, 4, 8)),
+        attention_backend="xla",
+    )
+    step_config = StepConfig.from_config(config, VOCAB)
+    scheduler = Scheduler(config, BlockManager(48, 4))
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        params = SamplingParams(
+            max_tokens=int(rng.integers(4, 30)),
+            min_tokens=int(rng.integers(0, 4)),
+            temperature=float(rng.choice([0.0, 0.8])),
+            n=2 if i % 7 == 3 else 1,
+            seed=i if i % 2 else None,
+            ignore_eos=True,
+        )
+        prompt = rng.integers(1, VOCAB, int(rng.integers(1, 20))).tolist()
+        for request in make_requests(str(i), prompt, params, eos_token_ids=(2,)):
+            scheduler.add(request)
+    in_flight, advanced, steps_built = None, 0, 0
+    while scheduler.has_unfinished() or in_flight is not None:
+        batch = scheduler.schedule()
+        if not batch.is_empty:
+            inputs, bucket, variant = make_step_inputs(batch, in_flight, step_config)
+            steps_built += 1
+            if in_flight is not None and _advanced(batch, BatchColumns.of(batch), in_flight, step_config):
+                advanced += 1
+                again = ScheduledBatch(batch.rows, batch.num_prefill_rows)
+                want_inputs, want_bucket, want_variant = _built(again, BatchColumns.of(again), in_flight, step_config)
+                assert (bucket, variant) == (want_bucket, want_variant)
+                got, want = _leaves(inputs), _leaves(want_inputs)
+                assert got.keys() == want.keys()
+                for name, wanted in want.items():
+                    if wanted is None:
+                        assert got[name] is None, name
+                    else:
+                        assert got[name].dtype == wanted.dtype, name
+                        np.testing.assert_array_equal(got[name], wanted, err_msg=name)
+        if in_flight is not None:
+            scheduler.update(in_flight, rng.integers(3, VOCAB, len(in_flight.rows)))
+        in_flight = None if batch.is_empty else batch
+    assert steps_built > 50 and advanced > steps_built // 4, (steps_built, advanced)
