@@ -471,3 +471,23 @@ def test_random_weights_are_handed_over_on_the_host():
     model = bench.random_model("tiny-llama")
     leaves = jax.tree.leaves(model.weights)
     assert leaves and all(isinstance(leaf, np.ndarray) for leaf in leaves)
+
+
+def test_iteration_summary_splits_host_time_by_kind_of_step(tmp_path):
+    """benchmarks/iteration_summary.py over a made-up log: means per group, the largest decode bucket alone,
+    the last step's missing gap left out."""
+    step = {"num_prefill_rows": 0, "bucket_seqs": 8, "host_ms": 3.0, "dispatch_ms": 2.0, "gap_ms": 30.0}
+    log = [
+        {**step, "num_prefill_rows": 2, "host_ms": 9.0, "dispatch_ms": 4.0, "gap_ms": 100.0},
+        {**step, "bucket_seqs": 4, "host_ms": 2.0, "dispatch_ms": 1.0, "gap_ms": 10.0},
+        step,
+        {**step, "host_ms": 5.0, "dispatch_ms": 3.0, "gap_ms": None},
+    ]
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in log))
+    script = Path(__file__).parents[1] / "benchmarks" / "iteration_summary.py"
+    out = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, check=True).stdout
+    rows = {line[:28].strip(): line[28:].split() for line in out.splitlines()[1:]}
+    assert rows["all steps"] == ["4", "4.750", "2.500", "2.250", "4.00", "30.00", "15.8%"]
+    assert rows["decode-only"] == ["3", "3.333", "2.000", "1.333", "3.00", "20.00", "16.7%"]
+    assert rows["decode, 8-row bucket"] == ["2", "4.000", "2.500", "1.500", "3.00", "30.00", "13.3%"]
