@@ -30,10 +30,13 @@ profile_run() {  # profile_run NAME TIMEOUT ARGS...: one step_profile.py process
     --trace-dir "${TRACES:-/tmp/step_profile_traces}/$name" 2>"$OUT/profile_$name.log" | tee "$OUT/profile_$name.txt"
   grep -E "Error|error" "$OUT/profile_$name.log" | cut -c1-220 | tail -n 14
 }
-bench_run() {  # bench_run NAME TIMEOUT ARGS...: one `jaxserve bench` process (-v log kept), its JSON to $OUT/NAME.json
+bench_run() {  # bench_run NAME TIMEOUT ARGS...: one `jaxserve bench` process (-v log kept), its JSON to $OUT/NAME.json,
+  # its steps to $OUT/NAME.steps.jsonl and their host time by kind of step (iteration_summary.py) to stdout
   local name=$1 limit=$2; shift 2
   echo "== $name: jaxserve bench $*"
-  timeout "$limit" python3 -m jaxserve.cli bench "$@" --json -v 2>"$OUT/$name.log" | tee "$OUT/$name.json"; echo
+  timeout "$limit" python3 -m jaxserve.cli bench "$@" --json -v --iteration-log "$OUT/$name.steps.jsonl" \
+    2>"$OUT/$name.log" | tee "$OUT/$name.json"; echo
+  [ -s "$OUT/$name.steps.jsonl" ] && python3 benchmarks/iteration_summary.py "$OUT/$name.steps.jsonl"
   grep -E "jaxserve.(capacity: KV cache|runner: warmup|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-220 | tail -n 6
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
