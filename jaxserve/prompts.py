@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.sampling import is_exact_ints
+
 Prompt = str | list[int]
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -43,7 +45,7 @@ def normalize_prompt(prompt: Any, index: int = 0) -> Prompt:
                 f"prompt {index} is a numpy array of shape {prompt.shape} and dtype {prompt.dtype}; "
                 "a prompt array must be 1-D with an integer dtype"
             )
-        return [int(t) for t in prompt]
+        return prompt.tolist()
     if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
         return _token_ids(prompt, index)
     raise TypeError(_describe(index, prompt))
@@ -77,6 +79,8 @@ def _from_dict(prompt: Mapping, index: int) -> Prompt:
 
 
 def _token_ids(prompt: Sequence, index: int) -> list[int]:
+    if is_exact_ints(prompt):
+        return list(prompt)  # the common case, in C: a copy the caller's later edits do not reach
     for position, token in enumerate(prompt):
         if isinstance(token, bool | np.bool_) or not isinstance(token, numbers.Integral):
             raise TypeError(

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve.prompts import normalize_prompt
 from jaxserve.sampling import (
     INT32_MAX,
     MAX_N,
@@ -235,6 +236,20 @@ def test_prompt_token_ids_validation():
         validate_prompt_token_ids([], vocab_size=10)
     with pytest.raises(ValueError, match=r"\[0, 9\].*\[10, -1\]"):
         validate_prompt_token_ids([1, 10, -1], vocab_size=10)
+    validate_prompt_token_ids([np.int64(3), 4], vocab_size=10)  # numpy ints take the per-token path
+    with pytest.raises(ValueError, match=r"\[np.int64\(10\)\]|\[10\]"):
+        validate_prompt_token_ids([1, np.int64(10)], vocab_size=10)
+    with pytest.raises(ValueError, match=r"got \[True\]"):
+        validate_prompt_token_ids([1, True], vocab_size=10)  # a bool is no token id, even in range
+
+
+def test_normalized_token_ids_are_python_ints_in_a_new_list():
+    ids = [3, 4]
+    normalized = normalize_prompt(ids)
+    assert normalized == ids and normalized is not ids
+    from_numpy = normalize_prompt([np.int32(3), np.uint16(4)])
+    assert from_numpy == [3, 4] and {type(t) for t in from_numpy} == {int}
+    assert {type(t) for t in normalize_prompt(np.array([5, 6], np.int16))} == {int}
 
 
 def test_metrics_and_outputs():
