@@ -55,7 +55,10 @@ def simulate(args) -> dict:
     )
     buckets = BucketTable.from_config(config, "pallas")
     block_size = config.kv_cache.block_size
-    scheduler = Scheduler(config, BlockManager(1 + args.kv_tokens // block_size, block_size))
+    # Bucket-aware admission as the engine does it, with this model's cost of each decode size on padding.
+    costs = {size: step_cost_ms(size, size, 0, 0, args) for size in buckets.decode_batch_sizes}
+    manager = BlockManager(1 + args.kv_tokens // block_size, block_size)
+    scheduler = Scheduler(config, manager, decode_costs=None if args.no_bucket_aware_admission else costs)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     for i in range(args.num_requests):
@@ -107,6 +110,9 @@ def main() -> None:
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--max-seq-len", type=int, default=2176)
     parser.add_argument("--capacity-policy", choices=[p.value for p in CapacityPolicy], default="guaranteed_no_evict")
+    parser.add_argument(
+        "--no-bucket-aware-admission", action="store_true", help="admit up to max_batch_size (SchedulerConfig)"
+    )
     parser.add_argument("--decode-batch-sizes", type=parse_sizes, default=None, help="default: the engine's")
     parser.add_argument("--bandwidth", type=float, default=4.3, help="TB/s")
     parser.add_argument("--matmul-tflops", type=float, default=640.0, help="the GEMMs' rate, TFLOP/s")

@@ -277,6 +277,11 @@ def _add_engine_options(
         help="admission policy (default: guaranteed_no_evict)",
     )
     group.add_argument(
+        "--no-bucket-aware-admission",
+        action="store_true",
+        help="admit up to max_batch_size even when a smaller decode batch size would do more rows per second",
+    )
+    group.add_argument(
         "--decode-batch-sizes", type=_sizes, metavar="N,N,...", help="comma-separated decode step sizes to compile"
     )
     group.add_argument(
@@ -434,7 +439,10 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
             max_tokens=args.kv_cache_max_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
-        "scheduler_config": SchedulerConfig(capacity_policy=CapacityPolicy(args.capacity_policy)),
+        "scheduler_config": SchedulerConfig(
+            capacity_policy=CapacityPolicy(args.capacity_policy),
+            bucket_aware_admission=not args.no_bucket_aware_admission,
+        ),
         "compile_config": CompileConfig(
             decode_batch_sizes=args.decode_batch_sizes,
             token_buckets=args.token_buckets,

@@ -105,10 +105,16 @@ class SchedulerConfig:
 
     Without chunked prefill, a prompt longer than max_num_tokens can never be scheduled and is
     rejected with an error on that request.
+    bucket_aware_admission: under GUARANTEED_NO_EVICT, when the KV pool holds fewer of the waiting
+        requests than wait, stop admitting at a compiled decode batch size below what the pool holds if
+        a step there does more rows per second than the padded step of everything the pool holds (the
+        decode steps' costs are measured at a GPU warmup; without them nothing changes). See
+        `scheduler.admission_cap`.
     """
 
     capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
     enable_chunked_prefill: bool = True
+    bucket_aware_admission: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_policy, CapacityPolicy):
@@ -116,6 +122,8 @@ class SchedulerConfig:
             raise ValueError(f"capacity_policy must be one of {allowed}, got {self.capacity_policy!r}")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.bucket_aware_admission, bool):
+            raise ValueError(f"bucket_aware_admission must be a bool, got {self.bucket_aware_admission!r}")
 
 
 @dataclass(frozen=True, slots=True)

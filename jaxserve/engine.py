@@ -134,7 +134,7 @@ class Engine:
         self.warmup_seconds = self.runner.start(self.kv_budget.num_blocks, show_progress=show_progress, lazy=lazy)
         kv = config.kv_cache
         self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, decode_costs=self.runner.decode_costs)
         self.outputs = OutputProcessor(tokenizer)
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=100_000)
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # oldest first; at most two

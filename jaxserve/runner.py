@@ -266,6 +266,8 @@ class Runner:
         self._forwards: dict[ForwardKey, jax.stages.Compiled] = {}
         self._samplers: dict[SamplerKey, jax.stages.Compiled] = {}
         self.lazy = False  # set by `start`
+        # Seconds of each decode-only forward on padding, by batch size (`start` on a GPU; `time_decode_steps`)
+        self.decode_costs: dict[int, float] | None = None
         self.lazy_compile_seconds = 0.0  # spent compiling steps on first use
         # (tracing + lowering, XLA compile) seconds of every executable compiled (not loaded from the store)
         self.compile_timings: list[tuple[float, float]] = []
@@ -448,6 +450,14 @@ class Runner:
                 logger.info("compiled %s %s in %.2fs", kind, _describe(kind, key), seconds)
         compiled_in = time.perf_counter() - start
         first_runs = self._run_each_once() if jax.default_backend() == "gpu" else 0.0
+        if jax.default_backend() == "gpu":
+            timed_from = time.perf_counter()
+            self.decode_costs = self.time_decode_steps()
+            logger.info(
+                "decode step on padding, ms by batch size: %s (timed in %.2fs)",
+                ", ".join(f"{rows}: {1e3 * cost:.2f}" for rows, cost in self.decode_costs.items()),
+                time.perf_counter() - timed_from,
+            )
         total = time.perf_counter() - start
         lowering, xla = self.compile_seconds()
         logger.info(
@@ -483,6 +493,35 @@ class Runner:
                     ran.add((rows, mode, penalties))
         jax.block_until_ready(self.kv_cache)
         return time.perf_counter() - start
+
+    def time_decode_steps(self, repeats: int = 3) -> dict[int, float]:
+        """Seconds of each decode batch size's forward on all-padding rows, its narrowest block-table width (a
+        padding row reads no K/V, so the width only adds launch work): the difference between 1 and 1 +
+        `repeats` calls queued back to back, over `repeats`, so the figure is the device's time per step, as
+        overlapped steps see it, without the first call's dispatch. What a padded row costs, for bucket-aware
+        admission (`scheduler.admission_cap`). Every forward has run once before (`_run_each_once`)."""
+        narrowest: dict[int, tuple[Bucket, jax.stages.Compiled]] = {}
+        for (bucket, prompt_logprobs), forward in self._forwards.items():
+            if not bucket.decode_only or prompt_logprobs:
+                continue
+            width = bucket.kv_blocks or self.spec.steps.buckets.max_blocks_per_seq
+            seen = narrowest.get(bucket.num_seqs)
+            if seen is None or width < (seen[0].kv_blocks or self.spec.steps.buckets.max_blocks_per_seq):
+                narrowest[bucket.num_seqs] = (bucket, forward)
+        costs: dict[int, float] = {}
+        for rows in sorted(narrowest):
+            bucket, forward = narrowest[rows]
+            inputs = replace(padding_inputs(bucket, StepVariant(), self.spec.steps), history=None)
+            seconds = []
+            for count in (1, 1 + repeats):
+                jax.block_until_ready(self.kv_cache)
+                start = time.perf_counter()
+                for _ in range(count):
+                    _, self.kv_cache = forward(self.weights, self.kv_cache, inputs, self._previous, self._key)
+                jax.block_until_ready(self.kv_cache)
+                seconds.append(time.perf_counter() - start)
+            costs[rows] = max(seconds[1] - seconds[0], 0.0) / repeats
+        return costs
 
     def compile_forward(
         self, bucket: Bucket, prompt_logprobs: bool, num_blocks: int, compiler_options: dict[str, Any] | None = None

@@ -18,6 +18,13 @@ Capacity policies (`config.CapacityPolicy`), after PyCapacityScheduler:
   and none is free, the most recently admitted running request is preempted (its blocks freed, its
   prompt + outputs recomputed later). No new request is admitted in a step that preempted one.
 
+Bucket-aware admission (`SchedulerConfig.bucket_aware_admission`, GUARANTEED_NO_EVICT, given the decode
+steps' measured costs): a decode step of R rows runs padded to the next compiled decode batch size, so when
+the pool holds fewer requests than wait, the requests it holds may sit just above a size (401 rows in a
+512-row step), and the ones left after them make a small last batch. Admission then stops at the compiled
+size that serves the queue in the least estimated time (`admission_cap`); the requests left wait for the
+next batch. Nothing is preempted for it.
+
 The scheduler advances `num_computed_tokens` when it schedules, and counts a row's sampled token as
 pending until `update` delivers it, so the engine may schedule step N+1 before it reads step N's
 tokens (overlap). `update` ignores rows of requests that finished or were preempted since. Steps must
@@ -32,7 +39,7 @@ from __future__ import annotations
 import collections
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +110,50 @@ class ScheduledBatch:
         return bool(self.rows) and self.num_prefill_rows == 0
 
 
+# A smaller decode batch size is taken only when it cuts the estimate by this share: measured costs are noisy
+# by a percent or so, and of two near-equal sizes the larger serves more requests at once.
+ADMISSION_CAP_GAIN = 0.05
+
+
+def admission_cap(
+    fit: int, queued: int, decode_costs: Mapping[int, float], gain: float = ADMISSION_CAP_GAIN
+) -> int | None:
+    """The decode batch size to stop admitting at when the KV pool holds `fit` of the `queued` requests (running
+    and waiting), or None to admit what fits.
+
+    decode_costs: seconds of a decode-only step at each compiled decode batch size on padding rows (what a
+    padded row costs: its share of the GEMMs, no attention). The queue is served in batches of at most B
+    requests (B = fit without a cap); a batch of r rows decodes in steps padded to the smallest size >= r, so
+    serving the queue costs about `drain_cost(queued, B)` per decoding step of a request's life. The rows'
+    own attention (the K/V each reads) is the same work whatever the batches, and drops out. A size B < fit
+    is taken when it cuts that estimate by more than `gain`, the largest such B first, a smaller one only if
+    it cuts B's by `gain` again. With a long queue this is the size of most rows per second (B / cost(B)); with
+    a short one it also weighs the last, smaller batch (512 requests where the pool holds 401: 401 + 111 rows
+    pad to 512 + 128, 384 + 128 fill theirs, 256 + 256 cost less than both on an H200).
+    """
+    costs = {size: cost for size, cost in decode_costs.items() if cost > 0}
+    sizes = sorted(costs)
+    if queued <= fit or not sizes or fit > sizes[-1]:
+        return None
+    cap, best = None, drain_cost(queued, fit, costs)
+    for size in reversed(sizes):
+        if size < fit and drain_cost(queued, size, costs) < best * (1 - gain):
+            cap, best = size, drain_cost(queued, size, costs)
+    return cap
+
+
+def drain_cost(queued: int, batch: int, decode_costs: Mapping[int, float]) -> float:
+    """Seconds per decoding step of a request's life to serve `queued` requests in batches of at most `batch`
+    (every batch but the last full), each step padded to the smallest size in decode_costs that holds it."""
+    sizes = sorted(decode_costs)
+
+    def step(rows: int) -> float:
+        return decode_costs[next(size for size in sizes if size >= rows)]
+
+    full, rest = divmod(queued, batch)
+    return full * step(batch) + (step(rest) if rest else 0.0)
+
+
 @dataclass(slots=True)
 class _StepPlan:
     """Rows chosen so far in `schedule` (request -> tokens, in choice order) and the token budget left."""
@@ -124,10 +175,16 @@ class Scheduler:
     """Continuous batching over the block pool; see the module docstring for the policy.
 
     clock: time source for request metrics (time.monotonic by default; tests may pass a fake).
+    decode_costs: seconds of a decode-only step at each compiled decode batch size, on padding (the runner
+        measures them at a GPU warmup), for bucket-aware admission; None admits up to max_batch_size.
     """
 
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, clock: Callable[[], float] = time.monotonic
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+        decode_costs: Mapping[int, float] | None = None,
     ) -> None:
         if block_manager.block_size != config.kv_cache.block_size:
             raise ValueError(
@@ -140,6 +197,9 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        bucket_aware = config.scheduler.bucket_aware_admission
+        bucket_aware &= config.scheduler.capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
+        self.decode_costs = dict(decode_costs) if decode_costs and bucket_aware else None
 
     # ---- queue ---------------------------------------------------------------------------------
 
@@ -305,10 +365,12 @@ class Scheduler:
             return  # nothing to admit: skip the O(running) reservation count
         if cfg.scheduler.capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT:
             plan.reserved_blocks = self._reserved_blocks()
+        costs = self.decode_costs
+        max_running = cfg.max_batch_size if costs is None else self._max_running(plan.reserved_blocks, costs)
         index = 0
         computing: set[bytes] | None = None  # prompt blocks running requests compute, hashed when first needed
         while index < len(self.waiting):
-            if len(plan.rows) >= cfg.max_batch_size or len(self.running) >= cfg.max_batch_size or plan.budget < 1:
+            if len(plan.rows) >= cfg.max_batch_size or len(self.running) >= max_running or plan.budget < 1:
                 return
             request = self.waiting[index]
             parent = request.parent
@@ -331,6 +393,30 @@ class Scheduler:
             del self.waiting[index]
             if computing is not None:
                 computing.update(self.block_manager.uncached_prompt_hashes(request))
+
+    def _max_running(self, reserved_blocks: int, decode_costs: Mapping[int, float]) -> int:
+        """Bucket-aware admission: how many requests may run, max_batch_size or `admission_cap` of the number
+        the pool holds (running + the waiting ones, in order, whose lifetime blocks fit beside those running
+        requests may still claim). No cap when every waiting request fits (nothing would be left for a later
+        batch), nor when the first waiting request shares blocks with running ones (a prefix in use, or a
+        running parent's prompt): the count takes no such credit, so it would undercount what the pool holds."""
+        limit = self.config.max_batch_size
+        head = self.waiting[0]
+        if (head.parent is not None and not head.parent.is_finished) or self.block_manager.probe(head).num_in_use:
+            return limit
+        fit, free = len(self.running), self.block_manager.num_free_blocks - reserved_blocks
+        for request in self.waiting:
+            if fit >= limit:
+                return limit
+            needed = self._lifetime_blocks(request)
+            if needed > free:
+                break
+            free -= needed
+            fit += 1
+        else:
+            return limit
+        cap = admission_cap(fit, len(self.running) + len(self.waiting), decode_costs)
+        return limit if cap is None else min(cap, limit)
 
     def _try_admit(self, request: Request, fork_parent: Request | None, plan: _StepPlan) -> bool:
         """Admits `request` with its first chunk if the capacity policy allows; False changes nothing."""

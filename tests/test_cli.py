@@ -74,6 +74,16 @@ def test_every_serve_option_is_documented_and_building_the_parser_imports_no_ser
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.parametrize("command", [["bench", "throughput"], ["bench", "latency"], ["serve"]])
+def test_bucket_aware_admission_is_on_unless_switched_off(command):
+    from jaxserve.cli import _engine_keywords, build_parser
+    from jaxserve.config import SchedulerConfig
+
+    assert _engine_keywords(build_parser().parse_args(command))["scheduler_config"] == SchedulerConfig()
+    off = build_parser().parse_args([*command, "--no-bucket-aware-admission"])
+    assert _engine_keywords(off)["scheduler_config"] == SchedulerConfig(bucket_aware_admission=False)
+
+
 def test_data_parallel_size_reaches_the_llm_keywords_and_serve_checks_the_devices(capsys):
     import jax
 

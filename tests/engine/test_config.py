@@ -69,6 +69,12 @@ def test_scheduler_config_rejects_unknown_policy():
         SchedulerConfig(capacity_policy="fcfs")
 
 
+def test_scheduler_config_bucket_aware_admission_is_on_and_a_bool():
+    assert SchedulerConfig().bucket_aware_admission is True
+    with pytest.raises(ValueError, match="bucket_aware_admission must be a bool, got 'no'"):
+        SchedulerConfig(bucket_aware_admission="no")
+
+
 def test_compile_config_normalizes_and_rejects():
     config = CompileConfig(decode_batch_sizes=[8, 1, 8, 4], token_buckets=(64, 16))
     assert config.decode_batch_sizes == (1, 4, 8)
