@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_engine.sh latency   # jaxserve bench latency, 8B shape, batch 1 / 8 / 32 (default settings)
 #   bash benchmarks/h200_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
 #   bash benchmarks/h200_engine.sh long      # jaxserve bench throughput: 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
+#   bash benchmarks/h200_engine.sh admission # ceilings, the long jobs with bucket-aware admission (the default), the two 512-request ones without
 #   bash benchmarks/h200_engine.sh serve     # jaxserve serve under 256 streaming clients (--stream-interval 8, 1), then bench on the same engine settings
 #                                            # (SERVE_MODE=thread: --engine-thread; INTERVALS="8": one run; NO_BENCH=1: no bench)
 # `latency`, `throughput` and `long` each fit one device call; `throughput` starts from an empty cache
@@ -37,7 +38,7 @@ bench_run() {  # bench_run NAME TIMEOUT ARGS...: one `jaxserve bench` process (-
   timeout "$limit" python3 -m jaxserve.cli bench "$@" --json -v --iteration-log "$OUT/$name.steps.jsonl" \
     2>"$OUT/$name.log" | tee "$OUT/$name.json"; echo
   [ -s "$OUT/$name.steps.jsonl" ] && python3 benchmarks/iteration_summary.py "$OUT/$name.steps.jsonl"
-  grep -E "jaxserve.(capacity: KV cache|runner: warmup|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-220 | tail -n 6
+  grep -E "jaxserve.(capacity: KV cache|runner: warmup|runner: decode step on padding|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-220 | tail -n 6
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -87,6 +88,15 @@ case "${1:-}" in
     bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
     bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
     ;;
+  admission)  # the long jobs with bucket-aware admission (the default), then the two 512-request ones without
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from attention import ceilings; print('CEILINGS', ceilings())"
+    A=(throughput --random-weights llama-3.1-8b --max-seq-len 2176)
+    bench_run t512_1000_1000 220 "${A[@]}" --num-requests 512 --input-len 1000 --output-len 1000
+    bench_run t512_128_2048 160 "${A[@]}" --num-requests 512 --input-len 128 --output-len 2048
+    bench_run t256_2048_128 120 "${A[@]}" --num-requests 256 --input-len 2048 --output-len 128
+    bench_run t512_1000_1000_uncapped 160 "${A[@]}" --num-requests 512 --input-len 1000 --output-len 1000 --no-bucket-aware-admission
+    bench_run t512_128_2048_uncapped 160 "${A[@]}" --num-requests 512 --input-len 128 --output-len 2048 --no-bucket-aware-admission
+    ;;
   serve)  # SERVE_MODE=thread: the engine in a thread of the server process (--engine-thread); PASSES load runs per server
     S=(--random-weights llama-3.1-8b --served-model-name llama-3.1-8b --port 8000 --max-batch-size 256 --max-seq-len 256 --no-penalty-variants -v)
     [ "${SERVE_MODE:-process}" = thread ] && S+=(--engine-thread)
@@ -108,5 +118,5 @@ case "${1:-}" in
     [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256 120 "${B[@]}"
     [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256_c256 120 "${B[@]}" --max-concurrency 256  # the clients' closed loop
     ;;
-  *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long|serve" >&2; exit 2 ;;
+  *) echo "usage: $0 llama8b|smollm2|dispatch|tp2|profile|latency|throughput|long|admission|serve" >&2; exit 2 ;;
 esac
