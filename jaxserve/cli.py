@@ -279,7 +279,7 @@ def _add_engine_options(
     group.add_argument(
         "--no-bucket-aware-admission",
         action="store_true",
-        help="admit up to max_batch_size even when a smaller decode batch size would do more rows per second",
+        help="admit up to max_batch_size even when batches of a smaller decode size would serve the queue sooner",
     )
     group.add_argument(
         "--decode-batch-sizes", type=_sizes, metavar="N,N,...", help="comma-separated decode step sizes to compile"

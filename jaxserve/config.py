@@ -107,9 +107,9 @@ class SchedulerConfig:
     rejected with an error on that request.
     bucket_aware_admission: under GUARANTEED_NO_EVICT, when the KV pool holds fewer of the waiting
         requests than wait, stop admitting at a compiled decode batch size below what the pool holds if
-        a step there does more rows per second than the padded step of everything the pool holds (the
-        decode steps' costs are measured at a GPU warmup; without them nothing changes). See
-        `scheduler.admission_cap`.
+        batches of that size serve the queue sooner than padded batches of everything the pool holds (by
+        the decode steps' costs measured at a GPU warmup; without them nothing changes). Stands aside when
+        the first waiting request shares blocks with running ones. See `scheduler.admission_cap`.
     """
 
     capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT

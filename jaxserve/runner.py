@@ -449,8 +449,9 @@ class Runner:
                 (self._forwards if kind == "forward" else self._samplers)[key] = compiled
                 logger.info("compiled %s %s in %.2fs", kind, _describe(kind, key), seconds)
         compiled_in = time.perf_counter() - start
-        first_runs = self._run_each_once() if jax.default_backend() == "gpu" else 0.0
+        first_runs = 0.0
         if jax.default_backend() == "gpu":
+            first_runs = self._run_each_once()
             timed_from = time.perf_counter()
             self.decode_costs = self.time_decode_steps()
             logger.info(
@@ -500,14 +501,12 @@ class Runner:
         `repeats` calls queued back to back, over `repeats`, so the figure is the device's time per step, as
         overlapped steps see it, without the first call's dispatch. What a padded row costs, for bucket-aware
         admission (`scheduler.admission_cap`). Every forward has run once before (`_run_each_once`)."""
+        max_blocks = self.spec.steps.buckets.max_blocks_per_seq
         narrowest: dict[int, tuple[Bucket, jax.stages.Compiled]] = {}
-        for (bucket, prompt_logprobs), forward in self._forwards.items():
-            if not bucket.decode_only or prompt_logprobs:
-                continue
-            width = bucket.kv_blocks or self.spec.steps.buckets.max_blocks_per_seq
-            seen = narrowest.get(bucket.num_seqs)
-            if seen is None or width < (seen[0].kv_blocks or self.spec.steps.buckets.max_blocks_per_seq):
-                narrowest[bucket.num_seqs] = (bucket, forward)
+        # Widest first, so the narrowest of each batch size is written last.
+        decode = [(b, f) for (b, logprobs), f in self._forwards.items() if b.decode_only and not logprobs]
+        for bucket, forward in sorted(decode, key=lambda item: -(item[0].kv_blocks or max_blocks)):
+            narrowest[bucket.num_seqs] = (bucket, forward)
         costs: dict[int, float] = {}
         for rows in sorted(narrowest):
             bucket, forward = narrowest[rows]

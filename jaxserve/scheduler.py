@@ -136,9 +136,10 @@ def admission_cap(
     if queued <= fit or not sizes or fit > sizes[-1]:
         return None
     cap, best = None, drain_cost(queued, fit, costs)
-    for size in reversed(sizes):
-        if size < fit and drain_cost(queued, size, costs) < best * (1 - gain):
-            cap, best = size, drain_cost(queued, size, costs)
+    for size in reversed([size for size in sizes if size < fit]):
+        cost = drain_cost(queued, size, costs)
+        if cost < best * (1 - gain):
+            cap, best = size, cost
     return cap
 
 
@@ -401,9 +402,6 @@ class Scheduler:
         batch), nor when the first waiting request shares blocks with running ones (a prefix in use, or a
         running parent's prompt): the count takes no such credit, so it would undercount what the pool holds."""
         limit = self.config.max_batch_size
-        head = self.waiting[0]
-        if (head.parent is not None and not head.parent.is_finished) or self.block_manager.probe(head).num_in_use:
-            return limit
         fit, free = len(self.running), self.block_manager.num_free_blocks - reserved_blocks
         for request in self.waiting:
             if fit >= limit:
@@ -416,7 +414,16 @@ class Scheduler:
         else:
             return limit
         cap = admission_cap(fit, len(self.running) + len(self.waiting), decode_costs)
-        return limit if cap is None else min(cap, limit)
+        if cap is None or self._shares_running_blocks(self.waiting[0]):
+            return limit
+        return min(cap, limit)
+
+    def _shares_running_blocks(self, request: Request) -> bool:
+        """Whether a waiting request would take blocks running requests hold (a running parent's prompt, or a
+        cached prefix in use). Hashes its prompt blocks: called only when a cap is on the table."""
+        if request.parent is not None and not request.parent.is_finished:
+            return True
+        return self.block_manager.probe(request).num_in_use > 0
 
     def _try_admit(self, request: Request, fork_parent: Request | None, plan: _StepPlan) -> bool:
         """Admits `request` with its first chunk if the capacity policy allows; False changes nothing."""
