@@ -42,6 +42,7 @@ OPTION_SETS = {
     "xla default": {},
     "cublas only": {TRITON_GEMM_OPTION: False},
     "cublas untuned": {TRITON_GEMM_OPTION: False, "xla_gpu_autotune_level": 0},
+    "exhaustive": {"xla_gpu_exhaustive_tiling_search": True},
 }
 
 
@@ -61,6 +62,7 @@ def main() -> None:
     add("--backend", choices=["pallas", "xla"], default="pallas")
     add("--calls", type=int, default=20)
     add("--json", default=None, help="also write the rows to this file")
+    add("--options", default="xla default,cublas only,cublas untuned", help=f"option sets, of {list(OPTION_SETS)}")
     args = parser.parse_args()
     enable_compilation_cache(None)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {' '.join(sys.argv[1:])}")
@@ -93,7 +95,8 @@ def main() -> None:
             )
         chosen = forward_compiler_options(platform, work.bucket)
         engine_uses = next((name for name, options in OPTION_SETS.items() if options == chosen), repr(chosen))
-        for name, options in OPTION_SETS.items():
+        for name in args.options.split(","):
+            options = OPTION_SETS[name]
             start = time.perf_counter()
             runner._forwards[(work.bucket, False)] = runner.compile_forward(
                 work.bucket, False, runner.num_blocks, compiler_options=options
