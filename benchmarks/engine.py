@@ -60,9 +60,10 @@ def main() -> None:
     for noisy in ("jax", "absl"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from jaxserve import bench, capacity, workload
+    from jaxserve import bench, capacity, gpu_client, workload
 
     capacity.raise_memory_fraction_default()
+    gpu_client.use_tfrt_client_default(args.tp)
 
     from jaxserve.config import CompileConfig
     from jaxserve.llm import LLM

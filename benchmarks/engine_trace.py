@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_profile import Event, busy_and_span_us, device_events, read_trace  # noqa: E402
 
-from jaxserve import bench, capacity, cli  # noqa: E402
+from jaxserve import bench, capacity, cli, gpu_client  # noqa: E402
 from jaxserve import engine as engine_module  # noqa: E402
 from jaxserve import workload as workloads  # noqa: E402
 from jaxserve.config import model_max_seq_len  # noqa: E402
@@ -182,6 +182,7 @@ def main() -> None:
     cli._validate_bench(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
     capacity.raise_memory_fraction_default()
+    gpu_client.use_tfrt_client_default(cli._engine_devices(args))
     model, tokenizer = bench.load_model(args.model, args.random_weights, args.dtype, args.tokenizer)
     vocab = model.config.vocab_size
     work = workloads.random_workload(args.num_requests, args.input_len, args.output_len, vocab, args.seed)

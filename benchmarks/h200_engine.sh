@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
 #   bash benchmarks/h200_engine.sh long      # jaxserve bench throughput: 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
 #   bash benchmarks/h200_engine.sh admission # ceilings, the long jobs with bucket-aware admission (the default), the two 512-request ones without
+#   bash benchmarks/h200_engine.sh client    # XLA's StreamExecutor against its TFRT GPU client: tokens and hand-back paths
+#                                            # (client_check.py), then batch 32 and 1024 x 128/128 under each, interleaved
+#   bash benchmarks/h200_engine.sh cmdbuf    # 1024 x 128/128 with XLA's command-buffer log: what its CUDA-graph updates cost
 #   bash benchmarks/h200_engine.sh serve     # jaxserve serve under 256 streaming clients (--stream-interval 8, 1), then bench on the same engine settings
 #                                            # (SERVE_MODE=thread: --engine-thread; INTERVALS="8": one run; NO_BENCH=1: no bench)
 # `latency`, `throughput` and `long` each fit one device call; `throughput` starts from an empty cache
@@ -38,7 +41,7 @@ bench_run() {  # bench_run NAME TIMEOUT ARGS...: one `jaxserve bench` process (-
   timeout "$limit" python3 -m jaxserve.cli bench "$@" --json -v --iteration-log "$OUT/$name.steps.jsonl" \
     2>"$OUT/$name.log" | tee "$OUT/$name.json"; echo
   [ -s "$OUT/$name.steps.jsonl" ] && python3 benchmarks/iteration_summary.py "$OUT/$name.steps.jsonl"
-  grep -E "jaxserve.(capacity: KV cache|runner: warmup|runner: decode step on padding|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-220 | tail -n 6
+  grep -E "jaxserve.(capacity: KV cache|runner: warmup|runner: decode step on padding|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-400 | tail -n 6
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -96,6 +99,27 @@ case "${1:-}" in
     bench_run t256_2048_128 120 "${A[@]}" --num-requests 256 --input-len 2048 --output-len 128
     bench_run t512_1000_1000_uncapped 160 "${A[@]}" --num-requests 512 --input-len 1000 --output-len 1000 --no-bucket-aware-admission
     bench_run t512_128_2048_uncapped 160 "${A[@]}" --num-requests 512 --input-len 128 --output-len 2048 --no-bucket-aware-admission
+    ;;
+  client)  # the variable is read when jax starts its backend: each process below gets its own client
+    E=XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT
+    env $E=0 timeout 150 python3 benchmarks/client_check.py --shape smollm2-135m --save "$OUT/client_tokens.npy" 2>/dev/null
+    env $E=1 timeout 150 python3 benchmarks/client_check.py --shape smollm2-135m --compare "$OUT/client_tokens.npy" 2>/dev/null
+    L=(latency --random-weights llama-3.1-8b --batch-size 32 --input-len 128 --output-len 128 --num-iters 3)
+    i=0; for t in 1 0 1 0; do i=$((i + 1)); export "$E=$t"; bench_run latency_b32_client$t.$i 170 "${L[@]}"; done
+    T=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128)
+    for t in 1 0 1; do i=$((i + 1)); export "$E=$t"; bench_run t1024_client$t.$i 240 "${T[@]}"; done
+    unset "$E"
+    ;;
+  cmdbuf)  # XLA's own log of every CUDA-graph update (commands re-recorded, allocations moved, microseconds);
+    # on the StreamExecutor client, as docs/benchmarks.md measured it, unless the variable says otherwise
+    export XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=${XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT:-0}
+    T=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128)
+    for name in greedy sampling; do
+      extra=(); [ $name = sampling ] && extra=(--temperature 0.8 --top-p 0.95 --top-k 50 --seed-per-request)
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd=1 \
+        bench_run cmdbuf_$name 240 "${T[@]}" "${extra[@]}"
+      python3 benchmarks/command_buffer_log.py "$OUT/cmdbuf_$name.log" --after "runner: warmup"
+    done
     ;;
   serve)  # SERVE_MODE=thread: the engine in a thread of the server process (--engine-thread); PASSES load runs per server
     S=(--random-weights llama-3.1-8b --served-model-name llama-3.1-8b --port 8000 --max-batch-size 256 --max-seq-len 256 --no-penalty-variants -v)

@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jaxserve import LLM, SamplingParams, bench, capacity
+from jaxserve import LLM, SamplingParams, bench, capacity, gpu_client
 from jaxserve.config import CompileConfig, KvCacheConfig
 
 
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     capacity.raise_memory_fraction_default()
+    gpu_client.use_tfrt_client_default(1)
     model = bench.random_model(args.random_weights)
     device = jax.devices()[0]
     llm = LLM(

@@ -32,7 +32,9 @@ significant digits.
                          "compiled_executables" (forwards and samplers, over every replica),
                          "lowering_s", "xla_compile_s" (of the executables compiled at warmup rather than
                          loaded from the step store: tracing and lowering them, which holds the GIL, and
-                         XLA's compile, which the compile threads overlap; summed over executables)},
+                         XLA's compile, which the compile threads overlap; summed over executables),
+                         "gpu_client" ("tfrt" | "stream_executor": XLA's GPU client, jaxserve/gpu_client.py;
+                         null off a GPU)},
               "output_tok_per_s", "ttft_ms", "tpot_ms": {"mean", "p50", "p90", "p99"} (null without samples),
               "steps": {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms",
                         "peak_kv_usage" (a fraction of the pool), "num_preempted"}
@@ -228,10 +230,12 @@ class EngineSummary:
     compiled_executables: int
     lowering_s: float
     xla_compile_s: float
+    gpu_client: str | None = None  # gpu_client.active_client: "tfrt" | "stream_executor"; None off a GPU
 
 
 def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
     """The engine's configuration and start-up; the KV pool, warmup and executables summed over replicas."""
+    from jaxserve import gpu_client
     from sharding.mesh import MODEL_AXIS
 
     engines, config, spec = llm.engines, llm.config, llm.engine.runner.spec
@@ -253,6 +257,7 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         compiled_executables=sum(e.runner.num_executables for e in engines),
         lowering_s=sum(e.runner.compile_seconds()[0] for e in engines),
         xla_compile_s=sum(e.runner.compile_seconds()[1] for e in engines),
+        gpu_client=gpu_client.active_client(llm.engine.runner.mesh.devices.flat[0].platform),
     )
 
 
@@ -528,7 +533,7 @@ def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
     return [
         f"jaxserve bench {kind}: {e.model}",
         f"engine              {e.backend} backend, {e.dtype}, tensor parallel {e.tensor_parallel_size}, "
-        f"data parallel {e.data_parallel_size}; "
+        f"data parallel {e.data_parallel_size}{'' if e.gpu_client is None else f', GPU client {e.gpu_client}'}; "
         f"max_batch_size {e.max_batch_size}, max_num_tokens {e.max_num_tokens}, max_seq_len {e.max_seq_len}",
         f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
         f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s; summed over those not loaded "

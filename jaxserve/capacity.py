@@ -45,7 +45,7 @@ def raise_memory_fraction_default(fraction: str = DEFAULT_MEM_FRACTION) -> bool:
     if MEM_FRACTION_ENV in os.environ:
         logger.info("%s=%s (set by the user)", MEM_FRACTION_ENV, os.environ[MEM_FRACTION_ENV])
         return False
-    if _backends_initialized():
+    if backends_started():
         logger.info("jax is already initialised; %s stays at its default (0.75 of the GPU)", MEM_FRACTION_ENV)
         return False
     os.environ[MEM_FRACTION_ENV] = fraction
@@ -69,7 +69,8 @@ def gpu_backend_possible() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in plugins)
 
 
-def _backends_initialized() -> bool:
+def backends_started() -> bool:
+    """Whether jax has created a backend in this process (a client reads its environment variables then)."""
     from jax._src import xla_bridge  # no public query for "has a backend been created"
 
     return bool(getattr(xla_bridge, "_backends", {}))

@@ -62,7 +62,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 def run(args: argparse.Namespace) -> str:
     """Load the model, build the prompt, generate with the engine; returns the generated text."""
-    from jaxserve import capacity
+    from jaxserve import capacity, gpu_client
     from jaxserve.config import CompileConfig, model_max_seq_len
     from jaxserve.llm import LLM, resolve_dtype
     from jaxserve.sampling import SamplingParams
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> str:
     from models.loader import load_model
 
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
+    gpu_client.use_tfrt_client_default(num_devices=1)
     model = load_model(args.model, dtype=resolve_dtype(args.dtype), on_device=False)  # LLM places it
     if model.tokenizer_source is None:
         raise ValueError(f"{args.model} has no tokenizer files")
@@ -367,10 +368,11 @@ def _validate_bench(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace) -> str:
     """Runs `jaxserve bench throughput | latency`; returns the report (a table, or one JSON object)."""
-    from jaxserve import bench, capacity, workload
+    from jaxserve import bench, capacity, gpu_client, workload
     from jaxserve.config import model_max_seq_len
 
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
+    gpu_client.use_tfrt_client_default(_engine_devices(args))
     is_throughput = args.benchmark == "throughput"
     entries = workload.read_dataset(args.dataset, args.num_requests) if is_throughput and args.dataset else None
     start = time.perf_counter()
@@ -454,6 +456,12 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
     }
+
+
+def _engine_devices(args: argparse.Namespace) -> int:
+    """The devices one engine of these flags spans (a multi-process run counts every process's)."""
+    processes = getattr(args, "num_processes", None) or 1
+    return (args.tensor_parallel_size or 1) * args.data_parallel_size * processes
 
 
 # ---- jaxserve serve -----------------------------------------------------------------------------
@@ -614,10 +622,11 @@ def served_engine(args: argparse.Namespace) -> Any:
 
 def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
     """The LLM `jaxserve serve` serves, and the model's name (what clients send unless --served-model-name)."""
-    from jaxserve import capacity
+    from jaxserve import capacity, gpu_client
     from jaxserve.llm import LLM
 
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
+    gpu_client.use_tfrt_client_default(_engine_devices(args))
     model, tokenizer = args.model, None
     if args.random_weights is not None:
         from jaxserve import bench

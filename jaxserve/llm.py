@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve import capacity, distributed
+from jaxserve import capacity, distributed, gpu_client
 from jaxserve.config import DTYPES, CompileConfig, KvCacheConfig, SchedulerConfig, make_engine_config
 from jaxserve.engine import Engine, StepStats, model_dtype
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
@@ -131,6 +131,8 @@ class LLM:
         _check_arguments(model, dtype, max_batch_size, tensor_parallel_size, seed, show_progress)
         _check_size("data_parallel_size", data_parallel_size)
         capacity.raise_memory_fraction_default()  # before the meshes start jax's backend
+        one_device = mesh is None and (tensor_parallel_size or 1) == 1 and data_parallel_size == 1
+        gpu_client.use_tfrt_client_default(1 if one_device and not jax.distributed.is_initialized() else 0)
         if jax.distributed.is_initialized() and jax.process_count() > 1:
             tensor_parallel_size = _multiprocess_tp(tensor_parallel_size, data_parallel_size, mesh, mesh_axes)
         replica_meshes = _replica_meshes(mesh, mesh_axes, tensor_parallel_size, data_parallel_size)

@@ -42,6 +42,7 @@ ENGINE_KEYS = {
     "compiled_executables",
     "lowering_s",
     "xla_compile_s",
+    "gpu_client",
 }
 STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
 PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
@@ -448,6 +449,7 @@ def test_latency_end_to_end_on_random_weights(capsys, tmp_path):
     assert main([*args, "--iteration-log", str(tmp_path / "steps.jsonl")]) == 0
     record = json.loads(capsys.readouterr().out)
     assert set(record) == LATENCY_KEYS and record["engine"]["max_batch_size"] == 1
+    assert record["engine"]["gpu_client"] is None  # a CPU run
     assert (record["batch_size"], record["input_len"], record["output_len"]) == (1, 8, 4)
     assert (record["num_iters"], record["num_warmup"], len(record["iteration_latencies_s"])) == (3, 1, 3)
     # forwards: decode 1, prefill 8, and max_num_tokens = 12; samplers: 1 row in 2 modes (greedy
