@@ -34,11 +34,14 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "xla"])
     parser.add_argument("--save", default=None, help="write the greedy tokens here")
     parser.add_argument("--compare", default=None, help="another run's --save: the tokens must be equal")
     args = parser.parse_args()
     device = jax.devices()[0]
-    print(f"jax {jax.__version__}; {device.device_kind}; client {device.client.platform_version!r}")
+    client = device.client.platform_version
+    print(f"jax {jax.__version__}; {jax.device_count()} x {device.device_kind}; client {client!r}")
     model = bench.random_model(args.shape)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, model.config.vocab_size, size=(args.num_prompts, args.prompt_len)).tolist()
@@ -47,6 +50,8 @@ def main() -> None:
         tokenizer=bench.IdTextTokenizer(),
         max_batch_size=args.num_prompts,
         max_seq_len=args.prompt_len + args.max_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend,
         show_progress=False,
     )
     first = tokens(llm, prompts, args.max_tokens)
