@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import jax
 import numpy as np
@@ -42,19 +43,31 @@ def raise_memory_fraction_default(fraction: str = DEFAULT_MEM_FRACTION) -> bool:
     global _raised_by_engine
     if _raised_by_engine:
         return False
-    if MEM_FRACTION_ENV in os.environ:
-        logger.info("%s=%s (set by the user)", MEM_FRACTION_ENV, os.environ[MEM_FRACTION_ENV])
-        return False
-    if backends_started():
+    outcome = env_default_before_jax(MEM_FRACTION_ENV, fraction, logger)
+    if outcome == "started":
         logger.info("jax is already initialised; %s stays at its default (0.75 of the GPU)", MEM_FRACTION_ENV)
+    if outcome != "set":
         return False
-    os.environ[MEM_FRACTION_ENV] = fraction
     _raised_by_engine = True
     if gpu_backend_possible():
         logger.info("set %s=%s so the KV cache can use most of the GPU", MEM_FRACTION_ENV, fraction)
     else:
         logger.info("set %s=%s (read by jax's GPU allocator only: no effect on CPU)", MEM_FRACTION_ENV, fraction)
     return True
+
+
+def env_default_before_jax(name: str, value: str, log: logging.Logger) -> Literal["user", "started", "set"]:
+    """Sets the environment variable `name` to `value` for jax's backend to read when it starts, unless the user
+    has set it ("user": said on `log`) or jax has a backend already ("started": the variable would be moot);
+    "set" when it did. The engine's process defaults (this module's memory fraction, gpu_client's client) go
+    through here."""
+    if name in os.environ:
+        log.info("%s=%s (set by the user)", name, os.environ[name])
+        return "user"
+    if backends_started():
+        return "started"
+    os.environ[name] = value
+    return "set"
 
 
 def gpu_backend_possible() -> bool:

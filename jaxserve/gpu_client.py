@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
-from jaxserve.capacity import backends_started, gpu_backend_possible
+from jaxserve.capacity import env_default_before_jax, gpu_backend_possible
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +33,13 @@ def use_tfrt_client_default(num_devices: int) -> bool:
     global _set_here
     if _set_here:
         return False
-    if TFRT_CLIENT_ENV in os.environ:
-        logger.info("%s=%s (set by the user)", TFRT_CLIENT_ENV, os.environ[TFRT_CLIENT_ENV])
+    if TFRT_CLIENT_ENV not in os.environ and (num_devices != 1 or not gpu_backend_possible()):
         return False
-    if num_devices != 1 or not gpu_backend_possible():
-        return False
-    if backends_started():
+    outcome = env_default_before_jax(TFRT_CLIENT_ENV, "1", logger)
+    if outcome == "started":
         logger.info("jax is already initialised: its GPU client stays as it is (%s is read at start)", TFRT_CLIENT_ENV)
+    if outcome != "set":
         return False
-    os.environ[TFRT_CLIENT_ENV] = "1"
     _set_here = True
     logger.info("set %s=1: XLA's TFRT GPU client launches each step from a thread of its own", TFRT_CLIENT_ENV)
     return True

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from jaxserve import cli, gpu_client
+from jaxserve import capacity, cli, gpu_client
 
 ENV = gpu_client.TFRT_CLIENT_ENV
 
@@ -16,7 +16,7 @@ def fresh(monkeypatch):
     monkeypatch.setenv(ENV, "")  # records the variable's state, so what the code sets is undone after the test
     monkeypatch.delenv(ENV)
     monkeypatch.setattr(gpu_client, "_set_here", False)
-    monkeypatch.setattr(gpu_client, "backends_started", lambda: False)
+    monkeypatch.setattr(capacity, "backends_started", lambda: False)
     monkeypatch.setattr(gpu_client, "gpu_backend_possible", lambda: True)
     return monkeypatch
 
@@ -46,11 +46,11 @@ def test_multi_device_engines_keep_jaxs_default_client(fresh, num_devices):
 
 
 def test_nothing_is_set_once_jax_has_started_or_where_no_gpu_can_start(fresh, caplog):
-    fresh.setattr(gpu_client, "backends_started", lambda: True)
+    fresh.setattr(capacity, "backends_started", lambda: True)
     with caplog.at_level(logging.INFO, logger="jaxserve.gpu_client"):
         assert gpu_client.use_tfrt_client_default(1) is False
     assert "already initialised" in caplog.text
-    fresh.setattr(gpu_client, "backends_started", lambda: False)
+    fresh.setattr(capacity, "backends_started", lambda: False)
     fresh.setattr(gpu_client, "gpu_backend_possible", lambda: False)
     assert gpu_client.use_tfrt_client_default(1) is False
     assert ENV not in gpu_client.os.environ
