@@ -22,8 +22,9 @@ UPDATED = re.compile(r"Updated (\d+) commands in (\d+) .s \(skipped (\d+) comman
 EXECUTE = re.compile(r"Execute command buffer[ ;]")
 
 
-def summarize(lines: list[str]) -> dict[int, dict[str, float]]:
-    """Per command-buffer size: updates, mean moved allocations, mean re-recorded commands, mean update µs."""
+def summarize(lines: list[str]) -> tuple[int, dict[int, dict[str, float]]]:
+    """Command-buffer executions, and per command-buffer size: updates, mean moved allocations, mean
+    re-recorded commands, mean and total update µs."""
     moved: dict[int, list[int]] = defaultdict(list)
     recorded: dict[int, list[int]] = defaultdict(list)
     micros: dict[int, list[int]] = defaultdict(list)
@@ -46,8 +47,7 @@ def summarize(lines: list[str]) -> dict[int, dict[str, float]]:
             "update_us": statistics.mean(micros[size]) if micros[size] else float("nan"),
             "update_us_total": sum(micros[size]),
         }
-    table[0] = {"executions": executions}
-    return table
+    return executions, table
 
 
 def main() -> None:
@@ -61,8 +61,7 @@ def main() -> None:
     if args.after is not None:
         start = next((i for i, line in enumerate(lines) if args.after in line), len(lines))
         lines = lines[start + 1 :]
-    table = summarize(lines)
-    executions = table.pop(0)["executions"]
+    executions, table = summarize(lines)
     print(f"command-buffer executions: {executions}")
     columns = (("commands", 9), ("updates", 8), ("moved allocs", 13), ("re-recorded", 12), ("us/update", 10))
     print(" ".join(f"{name:>{width}s}" for name, width in columns) + f" {'us total':>10s}")
