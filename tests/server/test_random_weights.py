@@ -4,6 +4,8 @@ vocabulary; text prompts and conversations are refused with a 400 naming the mis
 
 from __future__ import annotations
 
+import itertools
+
 import openai
 import pytest
 
@@ -32,8 +34,11 @@ def test_random_weights_serve_token_id_prompts_with_their_ids_as_text(serve_llm)
         )
         deltas = [chunk.choices[0].text for chunk in stream if chunk.choices and chunk.choices[0].text]
         assert deltas and "".join(deltas) == "".join(f" {t}" for t in tokens)
-        # --stream-interval 3: the first token at once, then 3 at a time, the rest with the end.
-        assert [len(delta.split()) for delta in deltas] == [1, 3, 2]
+        # --stream-interval 3: outputs come after the first token, then 3 at a time, the rest with the end.
+        # A client slower than the engine gets the newest output only (queued ones merge, as in vLLM), so
+        # a delta may span several reports, but every delta ends on a report's boundary.
+        ends = list(itertools.accumulate(len(delta.split()) for delta in deltas))
+        assert set(ends) <= {1, 4, 6} and ends[-1] == 6
     for request in (
         lambda: client.completions.create(model=name, prompt="text", max_tokens=2),
         lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}]),
