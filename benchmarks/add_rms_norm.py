@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from common import timed_ms
 
-import pallas_kernels as pk
-from pallas_kernels.add_rms_norm import default_block_rows, default_num_warps
+from jaxserve import kernels as pk
+from jaxserve.kernels.add_rms_norm import default_block_rows, default_num_warps
 
 EPS = 1e-5
 AS_WRITTEN = {"xla_allow_excess_precision": False}

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
+from jaxserve import kernels as pk
 
 H, K, DH, BS = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -237,7 +237,7 @@ def bench_write_kv(results: dict) -> None:
 
 
 def sweep(results: dict) -> None:
-    """Tiling candidates at the target shapes; the winners go into pallas_kernels/tuning.py."""
+    """Tiling candidates at the target shapes; the winners go into jaxserve/kernels/tuning.py."""
     decode_variants = {
         (16, 1024): [
             dict(num_splits=4),

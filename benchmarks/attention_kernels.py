@@ -10,7 +10,7 @@ kernels (`mark_start_<i>`, `mark_end_<i>`), so the summary can cut the kernel li
 the ceilings (a 2 GiB copy and a bf16 8192^3 matmul, so every run carries its own), an empty Pallas
 kernel (the floor of a launch), the decode grid of benchmarks/attention.py as an engine's decode step
 calls it (max_q_len=1) next to JAX's built-in op, the target decode shapes without the hint, the tiling
-sweeps behind pallas_kernels/tuning.py, the prefill cases, and the mixed batch with its parts. Shapes as
+sweeps behind jaxserve/kernels/tuning.py, the prefill cases, and the mixed batch with its parts. Shapes as
 in benchmarks/attention.py; `--only` picks cases by name.
 """
 
@@ -49,7 +49,7 @@ for name, seqs in {
     "512 after 4096 cached": [(512, 4096)],
 }.items():
     _add(f"prefill {name}", "ours", seqs)
-# Tiling sweeps behind pallas_kernels/tuning.py: split counts for one long sequence, prefill stages.
+# Tiling sweeps behind jaxserve/kernels/tuning.py: split counts for one long sequence, prefill stages.
 for ctx, split_counts in ((1024, (1, 2, 4)), (4096, (4, 8, 16)), (16384, (16, 32, 128))):
     for n in split_counts:
         _add(f"sweep decode 1x{ctx} splits {n}", "ours", [(1, ctx - 1)], max_q_len=1, num_splits=n)

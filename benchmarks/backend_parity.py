@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
-    from models.loader import load_model
+    from jaxserve.models.loader import load_model
 
     model = load_model("smollm2-135m-instruct", dtype=args.dtype)
     if args.text:

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: model shapes (Hugging Face config dicts, from `models.shapes`) and a device
+"""What the benchmark scripts share: model shapes (HF config dicts, `jaxserve.models.shapes`) and a device
 timer.
 
 Scripts run as `python benchmarks/<name>.py`, so this folder is on sys.path and `import common` works.
@@ -10,7 +10,7 @@ import time
 
 import jax
 
-from models.shapes import LLAMA_3_1_8B, SMOLLM2_135M
+from jaxserve.models.shapes import LLAMA_3_1_8B, SMOLLM2_135M
 
 __all__ = ["LLAMA_3_1_8B", "SMOLLM2_135M", "timed_ms"]
 

@@ -22,14 +22,14 @@ import time
 
 import numpy as np
 
-# The random-weight models: this script's names for the shapes of models/shapes.py.
+# The random-weight models: this script's names for the shapes of jaxserve/models/shapes.py.
 RANDOM_MODELS = {"llama8b": "llama-3.1-8b", "smollm2-random": "smollm2-135m"}
 
 
 def load(args: argparse.Namespace):
     from jaxserve import bench
+    from jaxserve.models.loader import load_model
     from jaxserve.tokenizer import Tokenizer
-    from models.loader import load_model
 
     if args.model == "smollm2":
         model = load_model("smollm2-135m-instruct", dtype=args.dtype)

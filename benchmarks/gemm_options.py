@@ -27,6 +27,7 @@ from step_profile import SHAPES, VARIANTS, decode_workload, prefill_workload, wa
 
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.inputs import StepConfig
+from jaxserve.models import registry
 from jaxserve.runner import (
     TRITON_GEMM_OPTION,
     Runner,
@@ -36,7 +37,6 @@ from jaxserve.runner import (
     resolve_backend,
 )
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams
-from models import registry
 
 OPTION_SETS = {
     "xla default": {},

@@ -2,7 +2,7 @@
 different layer layouts and XLA options: which one reads each weight once and compiles in seconds.
 
 Layouts:
-    scan        lax.scan over the stacked [L, ...] weights (what models/llama.py did)
+    scan        lax.scan over the stacked [L, ...] weights (what jaxserve/models/llama.py did)
     loop        a Python loop over per-layer weight buffers (separate arrays, no slicing)
     loop_fused  the same with q/k/v in one [D, (H + 2K) Dh] matrix and gate/up in one [D, 2F] matrix
 
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from common import timed_ms
 
-from models import llama, registry, shapes
-from models.attention import PagedAttentionMetadata, attention, init_paged_cache
-from models.common import apply_rope, gated_mlp, rms_norm, rope_frequencies
+from jaxserve.models import llama, registry, shapes
+from jaxserve.models.attention import PagedAttentionMetadata, attention, init_paged_cache
+from jaxserve.models.common import apply_rope, gated_mlp, rms_norm, rope_frequencies
 
 BLOCK = 16
 

@@ -10,7 +10,7 @@ from step to step as a layer's are), its wall time divided by `reps`; median of 
 timing, both run once on the same inputs: max |new - old| over q and over the written K and V slots (in
 float32 units; 0 means bit-equal; old is the reference computation, `rope_write_kv_reference` with the
 Pallas write). --sweep also times every (block_t, num_warps) and prints the best, for the defaults in
-pallas_kernels/rope_write_kv.py.
+jaxserve/kernels/rope_write_kv.py.
 
 Prints one table row per token count; exits 1 if any row failed (its error is printed in the row).
 """
@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from common import LLAMA_3_1_8B, timed_ms
 
-import pallas_kernels as pk
-from models import registry
-from models.common import apply_rope, rope_frequencies, split_qkv
-from pallas_kernels.rope_write_kv import default_block_t, default_num_warps
+from jaxserve import kernels as pk
+from jaxserve.kernels.rope_write_kv import default_block_t, default_num_warps
+from jaxserve.models import registry
+from jaxserve.models.common import apply_rope, rope_frequencies, split_qkv
 
 K, G, DH = 8, 4, 128
 NUM_BLOCKS, BLOCK_SIZE = 4096, 16

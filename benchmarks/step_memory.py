@@ -16,8 +16,8 @@ from common import SMOLLM2_135M
 
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.inputs import Bucket, StepConfig
+from jaxserve.models import registry
 from jaxserve.runner import Runner, RunnerSpec
-from models import registry
 
 
 def main() -> None:

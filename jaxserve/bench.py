@@ -56,14 +56,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxserve.models import shapes
 from jaxserve.sampling import RequestMetrics, RequestOutput, SamplingParams
 from jaxserve.workload import SamplingOptions, Workload
-from models import shapes
 
 if TYPE_CHECKING:
     from jaxserve.engine import StepStats
     from jaxserve.llm import LLM
-    from models.loader import LoadedModel
+    from jaxserve.models.loader import LoadedModel
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class IdTextTokenizer(TokenIdTokenizer):
 
 
 def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
-    """A model of a known shape (`models.shapes`) with random weights; dtype "auto" as `LLM` resolves it.
+    """A model of a known shape (`jaxserve.models.shapes`) with random weights; dtype "auto" as `LLM` resolves it.
 
     Drawn on the device, then held on the host (numpy), as a checkpoint loader returns them: the engine
     places its serving layout layer by layer, so the device never keeps a second copy of the weights."""
@@ -103,8 +103,8 @@ def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
     import jax.numpy as jnp
 
     from jaxserve.llm import resolve_dtype
-    from models import registry
-    from models.loader import LoadedModel
+    from jaxserve.models import registry
+    from jaxserve.models.loader import LoadedModel
 
     hf_config = shapes.shape(name)
     family, cfg = registry.resolve(hf_config)
@@ -118,13 +118,13 @@ def load_model(
     """The model (a checkpoint, or random weights of a named shape) and its tokenizer: `tokenizer` when
     given, else the checkpoint's, else a `TokenIdTokenizer` (token-id prompts only)."""
     from jaxserve.llm import resolve_dtype
+    from jaxserve.models.loader import load_model as load_checkpoint
     from jaxserve.tokenizer import Tokenizer
-    from models.loader import load_model as load_checkpoint
 
     if random_weights is not None:
         loaded = random_model(random_weights, dtype)
     else:
-        from models.hub import DEFAULT_MODEL
+        from jaxserve.models.hub import DEFAULT_MODEL
 
         loaded = load_checkpoint(model or DEFAULT_MODEL, dtype=resolve_dtype(dtype), on_device=False)
     source = tokenizer if tokenizer is not None else loaded.tokenizer_source
@@ -236,7 +236,7 @@ class EngineSummary:
 def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
     """The engine's configuration and start-up; the KV pool, warmup and executables summed over replicas."""
     from jaxserve import gpu_client
-    from sharding.mesh import MODEL_AXIS
+    from jaxserve.sharding.mesh import MODEL_AXIS
 
     engines, config, spec = llm.engines, llm.config, llm.engine.runner.spec
     return EngineSummary(

@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
-from models.attention import PagedKVCache
-from sharding.rules import shard_bytes
+from jaxserve.models.attention import PagedKVCache
+from jaxserve.sharding.rules import shard_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 def _add_generation_args(parser: argparse.ArgumentParser) -> None:
     from jaxserve.config import DTYPES
-    from models.hub import DEFAULT_MODEL
+    from jaxserve.models.hub import DEFAULT_MODEL
 
     parser.add_argument(
         "--model",
@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> str:
     from jaxserve import capacity, gpu_client
     from jaxserve.config import CompileConfig, model_max_seq_len
     from jaxserve.llm import LLM, resolve_dtype
+    from jaxserve.models.loader import load_model
     from jaxserve.sampling import SamplingParams
     from jaxserve.tokenizer import Tokenizer
-    from models.loader import load_model
 
     capacity.raise_memory_fraction_default()  # before anything starts a jax backend
     gpu_client.use_tfrt_client_default(num_devices=1)
@@ -183,8 +183,8 @@ def _add_latency_parser(kinds: Any) -> argparse.ArgumentParser:
 
 def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     """The model, sampling, engine and output options both benchmarks take."""
-    from models.hub import DEFAULT_MODEL
-    from models.shapes import SHAPES
+    from jaxserve.models.hub import DEFAULT_MODEL
+    from jaxserve.models.shapes import SHAPES
 
     source = parser.add_argument_group("model").add_mutually_exclusive_group()
     source.add_argument("--model", help=f"model name, HF directory, GGUF file or hub id (default: {DEFAULT_MODEL})")
@@ -469,9 +469,9 @@ def _engine_devices(args: argparse.Namespace) -> int:
 
 def _add_serve_parser(commands: Any) -> None:
     from jaxserve.config import LOGPROBS_MODES
+    from jaxserve.models.hub import DEFAULT_MODEL
+    from jaxserve.models.shapes import SHAPES
     from jaxserve.server.config import DEFAULT_MAX_REQUEST_BYTES
-    from models.hub import DEFAULT_MODEL
-    from models.shapes import SHAPES
 
     parser = commands.add_parser(
         "serve",
@@ -654,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         _validate_bench(args)
     elif args.command == "serve":
-        from models.hub import DEFAULT_MODEL
+        from jaxserve.models.hub import DEFAULT_MODEL
 
         if args.random_weights is not None and args.model != DEFAULT_MODEL:
             parser.error(f"give MODEL or --random-weights, not both (got {args.model!r} and {args.random_weights!r})")

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from models.attention import DenseAttentionMetadata, DenseKVCache, init_dense_cache
-from models.registry import ModelFamily
+from jaxserve.models.attention import DenseAttentionMetadata, DenseKVCache, init_dense_cache
+from jaxserve.models.registry import ModelFamily
 
 
 def sample_tokens(

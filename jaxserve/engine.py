@@ -42,6 +42,8 @@ from jaxserve import capacity, distributed
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.inputs import Bucket, BucketTable, StepConfig, make_step_inputs
+from jaxserve.models.loader import load_from_pytree
+from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, make_requests
 from jaxserve.runner import (
@@ -56,8 +58,6 @@ from jaxserve.runner import (
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
 from jaxserve.tokenizer import Tokenizer
-from models.loader import load_from_pytree
-from models.registry import ModelConfig, ModelFamily
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Engine:
     def update_weights(self, params: Any) -> None:
         """New values for every weight, in place and without compiling anything.
 
-        `params`: what `models.loader.load_from_pytree` takes (the family's weights dataclass, or a nested
+        `params`: what `jaxserve.models.loader.load_from_pytree` takes (the family's weights dataclass, or a nested
         dict keyed by our field names or Hugging Face names), checked against the model's shapes before
         anything changes and cast to the serving dtype layer by layer as it is placed (no cast copy of the
         whole tree). Every cached prefix is dropped (its K/V came from the old weights). Refused while a

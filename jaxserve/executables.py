@@ -5,7 +5,7 @@ lowering that come before it and compute its key: for the 8B forward about a sec
 GIL, so a cached start of the default step table still took ~40 s. This store keeps each compiled
 executable (`jax.experimental.serialize_executable`) under a key made of everything that determines it:
 
-- the source of the packages that build the step (jaxserve, models, pallas_kernels, sharding): any edit
+- the source of the jaxserve package (models, kernels and sharding included) that builds the step: any edit
   changes every key;
 - jax's and jaxlib's versions, the backend's platform and version, the devices' kinds and ids, XLA_FLAGS
   and the jax options that change lowering;
@@ -35,7 +35,7 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-SOURCE_PACKAGES = ("jaxserve", "models", "pallas_kernels", "sharding")
+SOURCE_PACKAGES = ("jaxserve",)
 # jax options whose value changes what a traced step lowers to.
 LOWERING_OPTIONS = (
     "jax_enable_x64",

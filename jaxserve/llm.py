@@ -31,12 +31,12 @@ from jax.sharding import Mesh
 from jaxserve import capacity, distributed, gpu_client
 from jaxserve.config import DTYPES, CompileConfig, KvCacheConfig, SchedulerConfig, make_engine_config
 from jaxserve.engine import Engine, StepStats, model_dtype
+from jaxserve.models.hub import DEFAULT_MODEL
+from jaxserve.models.loader import LoadedModel, load_from_pytree, load_model
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
 from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
+from jaxserve.sharding.mesh import DATA_AXIS, MESH_AXES, MODEL_AXIS, make_mesh, serving_mesh
 from jaxserve.tokenizer import Tokenizer, validate_conversations
-from models.hub import DEFAULT_MODEL
-from models.loader import LoadedModel, load_from_pytree, load_model
-from sharding.mesh import DATA_AXIS, MESH_AXES, MODEL_AXIS, make_mesh, serving_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class LLM:
     """Generate from a model with continuous batching over a paged KV cache.
 
     model: the default name (`smollm2-135m-instruct`), a Hugging Face directory, a .gguf file, an orbax
-        checkpoint directory, a hub id, or a `LoadedModel` (e.g. from `models.loader.load_from_pytree`
+        checkpoint directory, a hub id, or a `LoadedModel` (e.g. from `jaxserve.models.loader.load_from_pytree`
         for parameters just trained).
     tokenizer: a `Tokenizer`, or a path it loads from (a model directory or a .gguf file); None takes
         the model's own.
@@ -91,7 +91,7 @@ class LLM:
     mesh: a `jax.sharding.Mesh` to serve on (a trainer's): the weights and the KV cache are placed on its
         devices by the rules table, split over its tensor-parallel axis and replicated over every other
         axis. mesh_axes: which of its axes is the engine's "model" axis, e.g. {"model": "tp"} (None: the
-        axis named "model"; {"model": None}: replicate on every device); see `sharding.mesh.serving_mesh`.
+        axis named "model"; {"model": None}: replicate on every device); see `jaxserve.sharding.mesh.serving_mesh`.
     data_parallel_size: replicas of the model, each an `Engine` with its own KV pool (sized from its own
         devices' memory), scheduler and prefix cache, fed by this LLM by load (see the module docstring).
         Without a mesh, replica r serves on the devices [r * tp, (r + 1) * tp) of `jax.devices()`; with
@@ -185,12 +185,12 @@ class LLM:
 
         params: the family's weights dataclass; a nested dict keyed by our field names or by Hugging
             Face names (a Flax Linen params tree, "kernel" matrices [in, out] included); or a Flax NNX
-            `State` (its `to_pure_dict()`), as `models.loader.load_from_pytree` takes them.
+            `State` (its `to_pure_dict()`), as `jaxserve.models.loader.load_from_pytree` takes them.
         config: the model's Hugging Face config, a config.json dict or a `PretrainedConfig`.
         tokenizer: a `Tokenizer` or a path it loads from. engine_kwargs: the `LLM` keywords; dtype "auto"
             serves the parameters in their own floating-point dtype.
         """
-        from models import registry
+        from jaxserve.models import registry
 
         hf_config = config.to_dict() if hasattr(config, "to_dict") else config
         if not isinstance(hf_config, Mapping):
@@ -210,7 +210,7 @@ class LLM:
         without compiling anything, and returns the new weights version (1 after the first update).
 
         `params`: the model's weights dataclass, or a nested dict keyed by our field names or Hugging Face
-        names (as `models.loader.load_from_pytree` takes), checked before anything changes. Its arrays may
+        names (as `jaxserve.models.loader.load_from_pytree` takes), checked before anything changes. Its arrays may
         be laid out in any way, on any devices (a trainer's FSDP or tensor-parallel shardings): each layer
         is resharded into the serving layout on its way in (the first update from a layout not seen before
         compiles that small slicing and resharding; the steps never recompile). The prefix cache is

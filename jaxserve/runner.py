@@ -2,7 +2,7 @@
 runs a step: `run(inputs, bucket, variant) -> StepOutput` (device arrays, not awaited).
 
 Lifecycle (DESIGN.md "Runner lifecycle and KV capacity"):
-    runner = Runner(spec, weights, mesh)       # the serving layout of the weights, placed by sharding/rules.py
+    runner = Runner(spec, weights, mesh)       # the serving layout of the weights, placed by jaxserve/sharding/rules.py
     profile = runner.profile()                  # the largest step compiled and run over a probe pool
     budget = capacity.kv_budget(profile, config)
     runner.start(budget.num_blocks)             # allocates the pool, compiles every forward and sampler
@@ -22,7 +22,7 @@ call's dispatch costs the host 0.3-0.5 ms even for the sampler (docs/benchmarks.
 argmax over logits it has just written costs the sampling steps little. Neither call has a device-side
 conditional, so the host never waits inside a call. Under tensor parallelism the weights and the cache are split over
 the mesh's model axis by the rules table (the Pallas kernels run per device under shard_map,
-models/attention.py). The executables are the JAX stand-in for captured CUDA graphs: shapes and
+jaxserve/models/attention.py). The executables are the JAX stand-in for captured CUDA graphs: shapes and
 variants are fixed at start, and a step that was not compiled then is refused with an error naming
 its shape and variant. A lazily started runner (CompileConfig.lazy, the default on CPU) compiles
 nothing at start: each forward and sampler of the same table is compiled (or loaded from the step
@@ -59,12 +59,12 @@ from jaxserve.inputs import (
     padding_inputs,
 )
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
+from jaxserve.models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
+from jaxserve.models.common import delete_arrays
+from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.sampler import sample_with_logits
-from models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
-from models.common import delete_arrays
-from models.registry import ModelConfig, ModelFamily
-from sharding.mesh import MESH_AXES, MODEL_AXIS, make_mesh
-from sharding.rules import named_shardings
+from jaxserve.sharding.mesh import MESH_AXES, MODEL_AXIS, make_mesh
+from jaxserve.sharding.rules import named_shardings
 
 if TYPE_CHECKING:
     from jaxserve.distributed import StepChannel
@@ -248,7 +248,7 @@ class Runner:
         if self.mesh.axis_names != MESH_AXES:  # the rules table and the kernels name these axes
             raise ValueError(
                 f"the runner's mesh has axes {self.mesh.axis_names}, expected {MESH_AXES}: "
-                "sharding.mesh.serving_mesh maps a caller's mesh onto them"
+                "jaxserve.sharding.mesh.serving_mesh maps a caller's mesh onto them"
             )
         devices = list(self.mesh.devices.flat)
         self.store = ExecutableStore(store_dir, devices) if store_dir is not None else None

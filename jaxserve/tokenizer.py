@@ -2,7 +2,7 @@
 and stop strings.
 
 `Tokenizer` wraps a transformers fast tokenizer built from a model directory (tokenizer.json and
-friends) or from a GGUF file's metadata (see `models/gguf.py`, which avoids torch). It knows every
+friends) or from a GGUF file's metadata (see `jaxserve/models/gguf.py`, which avoids torch). It knows every
 end-of-generation id: the tokenizer's eos, plus generation_config.json / config.json's
 `eos_token_id` in a directory, plus llama.cpp's eot/eom ids in a GGUF file.
 
@@ -142,7 +142,7 @@ class Tokenizer:
             )
         path = Path(source)
         if path.is_file() and path.suffix == ".gguf":
-            from models.gguf import gguf_tokenizer
+            from jaxserve.models.gguf import gguf_tokenizer
 
             hf_tokenizer, eos_ids = gguf_tokenizer(path)
             return cls(hf_tokenizer, eos_ids)

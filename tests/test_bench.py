@@ -16,8 +16,8 @@ import pytest
 
 from jaxserve import bench, workload
 from jaxserve.cli import _validate_bench, build_parser, main
+from jaxserve.models import registry, shapes
 from jaxserve.sampling import CompletionOutput, RequestMetrics, RequestOutput
-from models import registry, shapes
 
 VOCAB = shapes.TINY_LLAMA["vocab_size"]
 # Two decode and two prefill shapes: each engine of these tests compiles 4 steps.

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from jaxserve.models import convert, hub
 from jaxserve.tokenizer import (
     CHAT_ROLES,
     IncrementalDetokenizer,
@@ -32,7 +33,6 @@ from jaxserve.tokenizer import (
     validate_conversations,
     validate_messages,
 )
-from models import convert, hub
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -43,8 +43,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from jaxserve.config import CompileConfig
 from jaxserve.llm import LLM
+from jaxserve.models.hub import DEFAULT_MODEL
 from jaxserve.sampling import RequestOutput, SamplingParams
-from models.hub import DEFAULT_MODEL
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for its hf and vllm models
 # generate_until keywords passed on to SamplingParams when do_sample is set.

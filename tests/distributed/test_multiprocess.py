@@ -42,8 +42,8 @@ SCRIPT = textwrap.dedent(
     from jaxserve.dense import generate_dense
     from jaxserve.llm import LLM
     from jaxserve.sampling import SamplingParams
-    from models import registry, shapes
-    from models.loader import LoadedModel
+    from jaxserve.models import registry, shapes
+    from jaxserve.models.loader import LoadedModel
 
     # Random weights drawn by numpy from the shapes of the family's initialiser (which, run op by op,
     # takes seconds), the same in both processes.

@@ -21,10 +21,10 @@ import transformers
 from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
 from jaxserve.inputs import Bucket, SamplerMode, StepVariant
 from jaxserve.llm import LLM
+from jaxserve.models import registry
+from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import Runner
-from models import registry
-from models.attention import DenseAttentionMetadata, init_dense_cache
-from models.loader import LoadedModel
 
 VOCAB = 160
 # Token id i decodes to the character chr(_CHAR_BASE + i); _CHAR_BASE is a multiple of VOCAB so that
@@ -242,9 +242,9 @@ def modes(monkeypatch: pytest.MonkeyPatch) -> list[SamplerMode]:
 @pytest.fixture(scope="session")
 def smollm2() -> tuple[LoadedModel, Any]:
     """The default model (SmolLM2-135M-Instruct GGUF) in float32, and its tokenizer."""
+    from jaxserve.models.hub import DEFAULT_MODEL
+    from jaxserve.models.loader import load_model
     from jaxserve.tokenizer import Tokenizer
-    from models.hub import DEFAULT_MODEL
-    from models.loader import load_model
 
     loaded = load_model(DEFAULT_MODEL, dtype="float32")
     return loaded, Tokenizer.from_source(loaded.tokenizer_source)

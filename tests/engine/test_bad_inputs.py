@@ -300,7 +300,7 @@ def bad_model(kind: str):
         import tempfile
         from pathlib import Path
 
-        from models.hub import default_model_path
+        from jaxserve.models.hub import default_model_path
 
         root = Path(tempfile.mkdtemp(prefix="bad-model-"))
         if kind in ("gguf-empty", "gguf-not-gguf", "gguf-truncated"):

@@ -18,7 +18,7 @@ import pytest
 from jaxserve import capacity
 from jaxserve.capacity import DeviceMemory, MemoryProfile, kv_budget, kv_bytes_per_token
 from jaxserve.config import EngineConfig, KvCacheConfig
-from models.attention import paged_cache_specs
+from jaxserve.models.attention import paged_cache_specs
 
 MiB = 2**20
 GB = 10**9

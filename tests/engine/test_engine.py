@@ -291,18 +291,18 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
     buckets, which also carry prefill chunks, pass None. The xla reference ignores the hint, so the
     calls are recorded at trace time: an empty step store (cache_dir) makes sure every step is traced
     rather than loaded from an earlier test's or an earlier run's store, and jax's caches are cleared
-    before and after, so that no decoder layer an earlier test traced (`models.llama.decoder_layer` is
+    before and after, so that no decoder layer an earlier test traced (`jaxserve.models.llama.decoder_layer` is
     one jit) stands in for this test's and none traced with the recording reaches a later test."""
-    import pallas_kernels
+    from jaxserve import kernels
 
     seen = []
-    reference = pallas_kernels.ragged_paged_attention_reference
+    reference = kernels.ragged_paged_attention_reference
 
     def recording(*args, **kwargs):
         seen.append((args[0].shape[0], kwargs.get("max_q_len")))
         return reference(*args, **kwargs)
 
-    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_reference", recording)
+    monkeypatch.setattr(kernels, "ragged_paged_attention_reference", recording)
     config = CompileConfig(
         decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False, lazy=False, cache_dir=str(tmp_path)
     )

@@ -18,9 +18,9 @@ from flax import nnx
 from jaxserve.config import CompileConfig, KvCacheConfig
 from jaxserve.dense import generate_dense
 from jaxserve.llm import LLM
+from jaxserve.models import registry
+from jaxserve.models.loader import load_from_pytree
 from jaxserve.sampling import SamplingParams
-from models import registry
-from models.loader import load_from_pytree
 
 VOCAB = 160  # the char tokenizer's
 NEW_TOKENS = 6

@@ -14,8 +14,8 @@ import pytest
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
 from jaxserve.llm import LLM
+from jaxserve.models.loader import load_from_pytree
 from jaxserve.sampling import SamplingParams
-from models.loader import load_from_pytree
 
 VOCAB = 160
 NEW_TOKENS = 8

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-import pallas_kernels as pk
+from jaxserve import kernels as pk
 
 EPS = 1e-5
 AS_WRITTEN = {"xla_allow_excess_precision": False}

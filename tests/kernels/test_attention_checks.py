@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels.tuning import DECODE_TABLE, MIXED_TABLE, DecodeTiling, MixedTiling
+from jaxserve import kernels as pk
+from jaxserve.kernels.tuning import DECODE_TABLE, MIXED_TABLE, DecodeTiling, MixedTiling
 
 
 def _args(num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float32, max_blocks=4):

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
+from jaxserve import kernels as pk
 
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # conftest.py says why
 
@@ -117,7 +117,7 @@ def test_no_sequences_gives_zeros(paged_batch):
 
 def test_eager_pages_needs_one_tile_per_split_and_no_window():
     """Splits read their page ids before kv_len only where the tile of split s cannot depend on kv_len."""
-    from pallas_kernels.decode_attention import DecodeParams
+    from jaxserve.kernels.decode_attention import DecodeParams
 
     base = dict(group=4, head_dim=64, head_dim_padded=64, block_size=16, num_heads=8, sm_scale=0.1)
     base |= dict(soft_cap=None, num_tokens=4, decode_only=True, context=1024)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-import pallas_kernels as pk
+from jaxserve import kernels as pk
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels as pk
+from jaxserve import kernels as pk
 
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # conftest.py says why
 

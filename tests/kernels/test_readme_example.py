@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-import pallas_kernels as pk
+from jaxserve import kernels as pk
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-import pallas_kernels as pk
-from models.common import RopeConfig, rope_frequencies
+from jaxserve import kernels as pk
+from jaxserve.models.common import RopeConfig, rope_frequencies
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 16
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")

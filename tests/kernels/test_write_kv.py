@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
+from jaxserve import kernels as pk
 
 
 def _cache_and_rows(rng, num_blocks, block_size, num_kv_heads, head_dim, num_tokens, dtype):

@@ -25,7 +25,7 @@ import pytest
 import torch
 import transformers
 
-from models.common import ParamSpec
+from jaxserve.models.common import ParamSpec
 
 # hidden 64, 4 query heads sharing 2 kv heads, 2 layers, vocab 160: big enough for GQA, small to compile.
 _TINY = dict(

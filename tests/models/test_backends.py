@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from models.attention import PagedAttentionMetadata, init_paged_cache
-from models.registry import resolve
+from jaxserve.models.attention import PagedAttentionMetadata, init_paged_cache
+from jaxserve.models.registry import resolve
 
 FAMILIES = {
     "llama3_tied": ("llama", {"tie_word_embeddings": True}),
@@ -113,7 +113,7 @@ def test_pallas_forward_calls_the_fused_kernels(name: str, tiny_hf_config) -> No
 def test_a_forward_traces_its_decoder_layer_once(tiny_hf_config, monkeypatch) -> None:
     """The layers' arguments have the same shapes, so `decoder_layer` (one jit) is traced for the first layer
     and reused for the others: a forward's tracing does not grow with the layer count."""
-    import models.llama
+    import jaxserve.models.llama as llama_module
 
     family, cfg, weights = _model("llama3_tied", tiny_hf_config)
     assert cfg.num_layers > 1
@@ -121,8 +121,8 @@ def test_a_forward_traces_its_decoder_layer_once(tiny_hf_config, monkeypatch) ->
     meta = _meta(STEPS[1], "xla", interpret=False)
     ids = jnp.asarray([1, 2], jnp.int32)
     traced = []
-    block = models.llama.attention_block
-    monkeypatch.setattr(models.llama, "attention_block", lambda *args: traced.append(1) or block(*args))
+    block = llama_module.attention_block
+    monkeypatch.setattr(llama_module, "attention_block", lambda *args: traced.append(1) or block(*args))
     jax.clear_caches()  # no earlier test's trace of the layer stands in for this one
     try:
         jax.make_jaxpr(lambda w, c, t, p: family.forward(w, t, p, c, meta, cfg))(weights, cache, ids, ids)

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import llama, registry
-from models.files import ModelFileError
-from models.gguf import gguf_reader, gguf_tokenizer
-from models.loader import SafetensorsCheckpoint, load_from_tensors, load_model
+from jaxserve.models import llama, registry
+from jaxserve.models.files import ModelFileError
+from jaxserve.models.gguf import gguf_reader, gguf_tokenizer
+from jaxserve.models.loader import SafetensorsCheckpoint, load_from_tensors, load_model
 
 # Smaller than conftest's tiny config, so a sweep over every cut point stays quick (files of ~100 KB).
 _SMALL = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama import modeling_llama as hf_llama
 
-from models.attention import DenseAttentionMetadata, attention, init_dense_cache
-from models.common import RopeConfig, apply_rope, gated_mlp, rms_norm, rope_frequencies, rope_inv_freq
+from jaxserve.models.attention import DenseAttentionMetadata, attention, init_dense_cache
+from jaxserve.models.common import RopeConfig, apply_rope, gated_mlp, rms_norm, rope_frequencies, rope_inv_freq
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 

@@ -1,4 +1,4 @@
-"""A GGUF converted once into a Hugging Face directory in the cache (models/convert.py): the converted model
+"""A GGUF converted once into a Hugging Face directory in the cache (jaxserve/models/convert.py): the converted model
 loads the same weights, config and tokenizer as the GGUF; a second load converts nothing; a GGUF that
 changes is converted again; the default model goes through it."""
 
@@ -13,8 +13,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file
 
-from models import convert, hub
-from models.loader import load_model
+from jaxserve.models import convert, hub
+from jaxserve.models.loader import load_model
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import transformers
 from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file
 
-from models import hub
-from models.attention import DenseAttentionMetadata, init_dense_cache
-from models.convert import cached_conversion
-from models.gguf import hf_config_from_metadata, hf_tensor_name, llama3_divisors, open_gguf
-from models.loader import LoadedModel, load_model
+from jaxserve.models import hub
+from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+from jaxserve.models.convert import cached_conversion
+from jaxserve.models.gguf import hf_config_from_metadata, hf_tensor_name, llama3_divisors, open_gguf
+from jaxserve.models.loader import LoadedModel, load_model
 
 TOKENS = [3, 17, 42, 99, 5, 150, 8]
 
@@ -178,7 +178,9 @@ def test_default_model_greedy_matches_transformers(default_gguf):
     from jaxserve.dense import generate_dense
     from jaxserve.tokenizer import Tokenizer
 
-    loaded = load_model(hub.DEFAULT_MODEL, dtype="float32")  # from its conversion in the cache (models/convert.py)
+    loaded = load_model(
+        hub.DEFAULT_MODEL, dtype="float32"
+    )  # from its conversion in the cache (jaxserve/models/convert.py)
     assert loaded.weights.embed.dtype == jnp.float32
     assert loaded.tokenizer_source == str(cached_conversion(default_gguf))
     tokenizer = Tokenizer.from_source(loaded.tokenizer_source)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from jaxserve.dense import generate_dense
-from models import llama
-from models.attention import DenseAttentionMetadata, init_dense_cache
-from models.common import ParamSpec, rope_frequencies
-from models.registry import resolve
+from jaxserve.models import llama
+from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+from jaxserve.models.common import ParamSpec, rope_frequencies
+from jaxserve.models.registry import resolve
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 

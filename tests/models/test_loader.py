@@ -22,10 +22,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from models import hub, llama
-from models.attention import DenseAttentionMetadata, init_dense_cache
-from models.common import CheckpointRule, ParamSpec
-from models.loader import (
+from jaxserve.models import hub, llama
+from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+from jaxserve.models.common import CheckpointRule, ParamSpec
+from jaxserve.models.loader import (
     LoadedModel,
     load_from_pytree,
     load_from_tensors,

@@ -89,8 +89,8 @@ def stop_server(running: RunningServer, thread: threading.Thread) -> None:
 @pytest.fixture(scope="session")
 def smollm2_model() -> Any:
     """The default model, loaded once in float32."""
-    from models.hub import DEFAULT_MODEL
-    from models.loader import load_model
+    from jaxserve.models.hub import DEFAULT_MODEL
+    from jaxserve.models.loader import load_model
 
     return load_model(DEFAULT_MODEL, dtype="float32")
 

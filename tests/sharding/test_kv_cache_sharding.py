@@ -19,9 +19,9 @@ CHECK = textwrap.dedent(
     from jaxserve.config import CompileConfig, EngineConfig
     from jaxserve.inputs import StepConfig
     from jaxserve.runner import Runner, RunnerSpec
-    from models import registry
-    from sharding.mesh import make_mesh
-    from sharding.rules import partition_spec
+    from jaxserve.models import registry
+    from jaxserve.sharding.mesh import make_mesh
+    from jaxserve.sharding.rules import partition_spec
 
     results = []
     for num_kv_heads in (4, 2, 3):

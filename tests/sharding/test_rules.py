@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from models.common import ParamSpec
-from sharding.mesh import make_mesh, serving_mesh
-from sharding.rules import layer_shardings, partition_spec, shard_bytes, shard_shape
+from jaxserve.models.common import ParamSpec
+from jaxserve.sharding.mesh import make_mesh, serving_mesh
+from jaxserve.sharding.rules import layer_shardings, partition_spec, shard_bytes, shard_shape
 
 TP4 = {"data": 1, "model": 4}  # a mesh's axis sizes: all the arithmetic needs
 
@@ -30,7 +30,7 @@ def test_heads_and_mlp_split_over_model():
 
 def test_indivisible_dimension_is_replicated_and_logged(caplog):
     spec = ParamSpec((2, 64, 3, 16), ("layers", "embed", "kv_heads", "head_dim"))  # 3 kv heads on tp=4
-    with caplog.at_level(logging.INFO, logger="sharding.rules"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.sharding.rules"):
         assert partition_spec(spec, TP4, "wk") == PartitionSpec(None, None, None, None)
     assert "wk" in caplog.text and "kv_heads" in caplog.text
 

@@ -16,10 +16,10 @@ CHECK = textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     import transformers
-    from models import registry
-    from models.attention import DenseAttentionMetadata, init_dense_cache
-    from sharding.mesh import make_mesh
-    from sharding.rules import named_shardings
+    from jaxserve.models import registry
+    from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+    from jaxserve.sharding.mesh import make_mesh
+    from jaxserve.sharding.rules import named_shardings
 
     CONFIGS = {
         "llama": (transformers.LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=4,

@@ -18,10 +18,10 @@ CHECK = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     import transformers
     from jaxserve.runner import Runner, RunnerSpec
-    from models import registry
-    from models.attention import PagedAttentionMetadata, init_paged_cache, paged_cache_specs
-    from sharding.mesh import make_mesh
-    from sharding.rules import named_shardings
+    from jaxserve.models import registry
+    from jaxserve.models.attention import PagedAttentionMetadata, init_paged_cache, paged_cache_specs
+    from jaxserve.sharding.mesh import make_mesh
+    from jaxserve.sharding.rules import named_shardings
 
     assert jax.device_count() == 4, jax.devices()
 

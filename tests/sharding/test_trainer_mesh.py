@@ -23,10 +23,10 @@ CHECK = textwrap.dedent(
     from jaxserve.dense import generate_dense
     from jaxserve.llm import LLM
     from jaxserve.sampling import SamplingParams
-    from models import registry
-    from models.common import ParamSpec
-    from sharding.mesh import serving_mesh
-    from sharding.rules import named_shardings
+    from jaxserve.models import registry
+    from jaxserve.models.common import ParamSpec
+    from jaxserve.sharding.mesh import serving_mesh
+    from jaxserve.sharding.rules import named_shardings
 
     assert jax.device_count() == 4, jax.devices()
     COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration", "/jax/core/compile/backend_compile_duration")

@@ -3,7 +3,7 @@
 A GGUF file carries no config.json and no tokenizer.json: its metadata is both. This module turns
 that metadata into a Hugging Face config dict (so the registry and the family's `from_hf` apply
 unchanged) and into a transformers fast tokenizer, and streams the tensors dequantised to float32
-under their Hugging Face names, so `models/loader.py` assembles them with the family's ordinary
+under their Hugging Face names, so `jaxserve/models/loader.py` assembles them with the family's ordinary
 checkpoint rules.
 
 Two llama.cpp conventions are undone here:
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from models.files import ModelFileError, check_gguf
+from jaxserve.models.files import ModelFileError, check_gguf
 
 # general.architecture -> Hugging Face `architectures` name and `model_type`. llama.cpp converts
 # Mistral 7B as "llama" and runs it with full attention; we read it the same way.
@@ -102,7 +102,7 @@ def hf_tensor_name(gguf_name: str) -> str:
         part, kind = m.groups()
         if part in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[part]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in models/gguf.py")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name in jaxserve/models/gguf.py")
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:

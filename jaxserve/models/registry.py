@@ -1,7 +1,7 @@
 """Maps Hugging Face `architectures` names to the family module that implements them, and the protocol
 every family satisfies.
 
-A family module (`models/llama.py`) exposes `ModelFamily`: `param_specs` (the checkpoint layout),
+A family module (`jaxserve/models/llama.py`) exposes `ModelFamily`: `param_specs` (the checkpoint layout),
 `serving_specs` and `to_serving` (the layout `forward` reads), `checkpoint_rules`, `init_weights`,
 `forward`, `compute_logits`, over a frozen config class with `from_hf` that satisfies
 `ModelConfig`; `resolve` returns the module and its config built from the checkpoint's config.json.
@@ -14,9 +14,9 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 from jaxtyping import Array, Float, Int
 
-from models import llama
-from models.attention import AttentionMetadata, KVCache
-from models.common import CheckpointRule, ConfigKey, check_config_keys
+from jaxserve.models import llama
+from jaxserve.models.attention import AttentionMetadata, KVCache
+from jaxserve.models.common import CheckpointRule, ConfigKey, check_config_keys
 
 
 class ModelConfig(Protocol):

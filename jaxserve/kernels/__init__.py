@@ -4,7 +4,7 @@ Public entry points (DESIGN.md, Kernels): `ragged_paged_attention`, `write_kv`, 
 q and k and the K/V write, from a fused qkv projection) and `add_rms_norm`, each with a `*_reference` of the
 same signature that serves the `attention_backend="xla"` path and the tests.
 The paged forward on the pallas backend calls `rope_write_kv` in each layer without q/k norm and `add_rms_norm`
-after each residual add (models/attention.py, `rope_attention` and `add_norm`).
+after each residual add (jaxserve/models/attention.py, `rope_attention` and `add_norm`).
 """
 
 from .add_rms_norm import add_rms_norm, add_rms_norm_reference

@@ -1,5 +1,5 @@
 """Checkpoint loading: Hugging Face safetensors directories, GGUF files, orbax checkpoints and in-memory
-parameter trees, all into a family's weights dataclass (see `models/llama.py` for the protocol).
+parameter trees, all into a family's weights dataclass (see `jaxserve/models/llama.py` for the protocol).
 
 Every source goes through one assembly step, `load_from_tensors`: each tensor name is matched
 against the family's `checkpoint_rules(cfg)`, transposed / reshaped as its rule says, checked
@@ -8,7 +8,7 @@ stacked [L, ...] array. It fails loudly, naming the tensor or field: a tensor no
 same tensor twice, a missing tensor or layer, a wrong shape. Tensors are read and converted one at
 a time, so the host holds one copy of the model in the target dtype plus one tensor.
 
-Orbax layout, written by `save_orbax` and recognised by `models/hub.py`:
+Orbax layout, written by `save_orbax` and recognised by `jaxserve/models/hub.py`:
     <dir>/config.json   the Hugging Face config (the registry picks family and config from it)
     <dir>/params/       an orbax StandardCheckpointer checkpoint of the weights dataclass pytree
     <dir>/tokenizer*    tokenizer files, when saved with one (tokenizer.json, tokenizer_config.json, ...)
@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from models.common import CheckpointRule, ParamSpec
-from models.files import ModelFileError, check_safetensors, read_json_object
+from jaxserve.models.common import CheckpointRule, ParamSpec
+from jaxserve.models.files import ModelFileError, check_safetensors, read_json_object
 
 if TYPE_CHECKING:
-    from models.registry import ModelConfig, ModelFamily
+    from jaxserve.models.registry import ModelConfig, ModelFamily
 
 DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 ORBAX_PARAMS_DIR = "params"
@@ -78,15 +78,15 @@ def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16", on_device:
     restored to the device either way), for a consumer that lays them out on the device itself: `LLM`
     builds its serving layout from them one layer at a time, so the device never holds the checkpoint
     layout beside it."""
-    from models import gguf
-    from models.convert import cached_conversion
-    from models.hub import DEFAULT_MODEL, ResolvedSource, resolve_model_source
+    from jaxserve.models import gguf
+    from jaxserve.models.convert import cached_conversion
+    from jaxserve.models.hub import DEFAULT_MODEL, ResolvedSource, resolve_model_source
 
     np_dtype = numpy_dtype(dtype)
     resolved = resolve_model_source(source)
     path = resolved.path
     if resolved.kind == "gguf" and os.fspath(source) == DEFAULT_MODEL:
-        # Converted once into a Hugging Face directory in the cache (models/convert.py), loaded from there.
+        # Converted once into a Hugging Face directory in the cache (jaxserve/models/convert.py), loaded from there.
         path = cached_conversion(path)
         resolved = ResolvedSource("hf_dir", path)
     if resolved.kind == "gguf":
@@ -113,7 +113,7 @@ def read_hf_config(directory: Path) -> dict:
 
 def _resolve_family(hf_config: dict, path: Path, context: str = "") -> tuple[ModelFamily, ModelConfig]:
     """`registry.resolve`, its errors (the family's, which know no paths) naming the file the config came from."""
-    from models import registry
+    from jaxserve.models import registry
 
     try:
         return registry.resolve(hf_config)
@@ -481,7 +481,7 @@ def _save_tokenizer(source: Path, target: Path) -> None:
             if _TOKENIZER_FILES.fullmatch(file.name) and file.is_file():
                 shutil.copy2(file, target / file.name)
         return
-    from models.gguf import gguf_tokenizer
+    from jaxserve.models.gguf import gguf_tokenizer
 
     tokenizer, eos_ids = gguf_tokenizer(source)
     tokenizer.save_pretrained(target)

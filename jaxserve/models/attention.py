@@ -29,11 +29,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-import pallas_kernels
-from models.common import ParamSpec, apply_rope, split_qkv
-from pallas_kernels.add_rms_norm import MAX_DIM as NORM_MAX_DIM
-from sharding.mesh import MODEL_AXIS
-from sharding.rules import partition_spec
+from jaxserve import kernels
+from jaxserve.kernels.add_rms_norm import MAX_DIM as NORM_MAX_DIM
+from jaxserve.models.common import ParamSpec, apply_rope, split_qkv
+from jaxserve.sharding.mesh import MODEL_AXIS
+from jaxserve.sharding.rules import partition_spec
 
 
 class _CacheShape(Protocol):
@@ -101,7 +101,7 @@ class PagedAttentionMetadata:
 
 def paged_cache_specs(cfg: _CacheShape, num_blocks: int, block_size: int) -> PagedKVCache:
     """The block pool's declaration, like a weight's: shape and logical axes of `k` and `v`. The rules
-    table (sharding/rules.py) splits it over kv heads; capacity reads its bytes per token from it."""
+    table (jaxserve/sharding/rules.py) splits it over kv heads; capacity reads its bytes per token from it."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -166,7 +166,7 @@ def rope_attention(
     sm_scale: float,
     sliding_window: int | None = None,
 ) -> tuple[Float[Array, "T H Dh"], DenseKVCache | PagedKVCache]:
-    """`attention` of a fused qkv projection's output (`models.common.split_qkv`'s layout) after rope on q and k.
+    """`attention` of a fused qkv projection's output (`common.split_qkv`'s layout) after rope on q and k.
 
     On the paged pallas backend one kernel slices, ropes and writes (`paged_rope_attention`); elsewhere the
     same arithmetic as XLA ops (`split_qkv`, `apply_rope`, then `attention`).
@@ -195,8 +195,8 @@ def add_norm(
     """(x + delta, rms_norm(x + delta)): the residual add and the next block's norm, one `add_rms_norm` launch
     on the paged pallas backend (the step's kernels are chosen by its attention metadata), XLA ops elsewhere."""
     if not (_runs_pallas(meta) and x.shape[-1] <= NORM_MAX_DIM):
-        return pallas_kernels.add_rms_norm_reference(x, delta, weight, eps)
-    add_and_norm = partial(pallas_kernels.add_rms_norm, eps=eps, interpret=meta.interpret)
+        return kernels.add_rms_norm_reference(x, delta, weight, eps)
+    add_and_norm = partial(kernels.add_rms_norm, eps=eps, interpret=meta.interpret)
     if meta.mesh is not None and meta.mesh.size > 1:
         # The residual stream is replicated over the model axis: every device runs the kernel on all of it.
         add_and_norm = jax.shard_map(
@@ -218,9 +218,9 @@ def paged_attention(
 ) -> tuple[Float[Array, "T H Dh"], PagedKVCache]:
     """Scatters the step's K/V into their slots, then ragged attention over the block tables."""
     if meta.backend == "pallas":
-        write = partial(pallas_kernels.write_kv, interpret=meta.interpret)
+        write = partial(kernels.write_kv, interpret=meta.interpret)
     elif meta.backend == "xla":
-        write = pallas_kernels.write_kv_reference
+        write = kernels.write_kv_reference
     else:
         raise ValueError(f"attention backend must be 'pallas' or 'xla', got {meta.backend!r}")
     attend = _attend(meta, sm_scale, sliding_window)
@@ -255,9 +255,7 @@ def paged_rope_attention(
     attend = _attend(meta, sm_scale, sliding_window)
 
     def rope_write_and_attend(k_pool, v_pool, tables, qkv, cos, sin):
-        q, k_pool, v_pool = pallas_kernels.rope_write_kv(
-            k_pool, v_pool, qkv, cos, sin, tables[0], interpret=meta.interpret
-        )
+        q, k_pool, v_pool = kernels.rope_write_kv(k_pool, v_pool, qkv, cos, sin, tables[0], interpret=meta.interpret)
         return attend(q, k_pool, v_pool, *tables[1:]), k_pool, v_pool
 
     num_tokens, num_kv_heads, group_and_kv, head_dim = qkv.shape
@@ -272,8 +270,8 @@ def _attend(meta: PagedAttentionMetadata, sm_scale: float, sliding_window: int |
     """The backend's ragged attention with the step's static options bound."""
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, max_q_len=meta.max_q_len)
     if meta.backend == "pallas":
-        return partial(pallas_kernels.ragged_paged_attention, interpret=meta.interpret, **options)
-    return partial(pallas_kernels.ragged_paged_attention_reference, **options)
+        return partial(kernels.ragged_paged_attention, interpret=meta.interpret, **options)
+    return partial(kernels.ragged_paged_attention_reference, **options)
 
 
 def _on_layer_pool(body, kv_cache: PagedKVCache, layer, meta: PagedAttentionMetadata, inputs, input_axes, out_shape):

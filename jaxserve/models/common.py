@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 @dataclass(frozen=True, slots=True)
 class ParamSpec:
-    """Shape and logical sharding axes of one weight; `sharding/rules.py` maps the axes to the mesh.
+    """Shape and logical sharding axes of one weight; `jaxserve/sharding/rules.py` maps the axes to the mesh.
 
     Logical axis names: "layers", "vocab", "embed" (D), "heads" (H), "kv_heads" (K), "head_dim" (Dh),
     "mlp" (F), "experts" (E), or None for a dimension that is never split.

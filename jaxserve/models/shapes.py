@@ -1,7 +1,7 @@
 """Model shapes by name: the Hugging Face config.json of well-known models, for random-weight runs that need
 no checkpoint (`jaxserve bench --random-weights NAME`, the scripts in benchmarks/), and a tiny one for tests.
 
-A shape is a plain dict, what `models.registry.resolve` takes; `shape(name)` returns a copy of it.
+A shape is a plain dict, what `jaxserve.models.registry.resolve` takes; `shape(name)` returns a copy of it.
 """
 
 from __future__ import annotations

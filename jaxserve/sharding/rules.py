@@ -1,8 +1,8 @@
 """Logical axes -> mesh axes: the one rules table that decides how every weight, the KV cache and the
 attention kernels' per-device operands are split.
 
-A model declares each weight's logical axes once (`models.common.ParamSpec`), and so does the KV
-pool (`models.attention.paged_cache_specs`); this module maps them onto the mesh. A dimension that
+A model declares each weight's logical axes once (`jaxserve.models.common.ParamSpec`), and so does the KV
+pool (`jaxserve.models.attention.paged_cache_specs`); this module maps them onto the mesh. A dimension that
 does not divide evenly over its mesh axis is replicated instead (e.g. 3 kv heads on tp=4), and that
 fallback is logged, never silent.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from models.common import ParamSpec
-from sharding.mesh import MODEL_AXIS
+from jaxserve.models.common import ParamSpec
+from jaxserve.sharding.mesh import MODEL_AXIS
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ They have the kernels' signatures and semantics (DESIGN.md, Flat token batch and
 as the `attention_backend="xla"` path and as the tests' oracle. Attention is computed in float32 per
 query token over the whole block-table width of its sequence, masked to the causal (and window)
 range; tokens are processed in chunks so the gathered keys stay within a fixed memory budget. The
-rope reference is the model's own code (`models.common.split_qkv` and `apply_rope`), so the kernel is
+rope reference is the model's own code (`jaxserve.models.common.split_qkv` and `apply_rope`), so the kernel is
 held to what a layer computed before it existed.
 """
 
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from models.common import apply_rope, split_qkv
+from jaxserve.models.common import apply_rope, split_qkv
 
 from .checks import check_attention_inputs, check_options, check_rope_write_inputs, check_write_inputs
 from .tuning import check_tuning_keys

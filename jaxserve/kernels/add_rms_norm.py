@@ -1,4 +1,4 @@
-"""`add_rms_norm`: a residual add and the RMSNorm after it (models/common.py `rms_norm`) in one launch,
+"""`add_rms_norm`: a residual add and the RMSNorm after it (jaxserve/models/common.py `rms_norm`) in one launch,
 with its jnp reference.
 
 A decoder layer adds each block's output to the residual stream and normalises the sum for the next
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
-from models.common import rms_norm
+from jaxserve.models.common import rms_norm
 
 from .checks import FLOAT_DTYPES
 from .common import filter_triton_deprecation

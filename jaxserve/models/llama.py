@@ -3,7 +3,7 @@
 One architecture with three flags: `attention_bias` (Qwen2's q/k/v bias), `qk_norm` (Qwen3's
 RMSNorm of q and k over the head dim, before rope) and `sliding_window` (Mistral). Owns the config,
 the weights dataclasses, their parameter specs, the Hugging Face checkpoint names, random init and
-the forward pass; shared blocks come from `models/common.py`, attention from `models/attention.py`.
+the forward pass; shared blocks come from `jaxserve/models/common.py`, attention from `jaxserve/models/attention.py`.
 
 Two weight layouts:
 - `LlamaWeights` is the checkpoint layout: one field per Hugging Face tensor kind, stacked on a
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.attention import AttentionMetadata, KVCache, add_norm, attention, rope_attention
-from models.common import (
+from jaxserve.models.attention import AttentionMetadata, KVCache, add_norm, attention, rope_attention
+from jaxserve.models.common import (
     CheckpointRule,
     ConfigKey,
     ParamSpec,
@@ -46,7 +46,7 @@ from models.common import (
     rope_frequencies,
     split_qkv,
 )
-from sharding.rules import layer_shardings
+from jaxserve.sharding.rules import layer_shardings
 
 # Hugging Face defaults for keys a config.json may omit, per model_type.
 _HF_DEFAULTS: dict[str, dict] = {

@@ -75,9 +75,9 @@ def is_current(directory: Path, gguf_path: Path) -> bool:
 
 
 def cached_conversion(gguf_path: str | os.PathLike, cache_root: Path | None = None) -> Path:
-    """The converted directory of a GGUF file in the cache (`models.hub.cache_dir()` unless given),
+    """The converted directory of a GGUF file in the cache (`jaxserve.models.hub.cache_dir()` unless given),
     converting it first when it is missing or stale."""
-    from models.hub import cache_dir
+    from jaxserve.models.hub import cache_dir
 
     gguf_path = Path(gguf_path).absolute()
     target = (cache_root or cache_dir()) / "converted" / gguf_path.stem
@@ -101,7 +101,7 @@ def convert_gguf(gguf_path: Path, directory: Path) -> None:
     """Writes the converted form of gguf_path into the (existing, empty) directory; the stamp last."""
     from safetensors.numpy import save_file
 
-    from models import gguf
+    from jaxserve.models import gguf
 
     sha256 = file_sha256(gguf_path)
     checkpoint = gguf.open_gguf(gguf_path)

@@ -1,7 +1,7 @@
 """`rope_write_kv`: rope on q and k and the K/V cache write of one step, straight from the fused qkv projection.
 
 qkv is the projection's output [T, K, G+2, Dh]: for each kv head its G query heads, then its key, then
-its value (models/llama.py, `ServingLayer.wqkv`). One launch replaces what XLA runs as four or five small
+its value (jaxserve/models/llama.py, `ServingLayer.wqkv`). One launch replaces what XLA runs as four or five small
 kernels per layer (slicing q, k and v out, rope on q, rope on k) plus `write_kv`; at decode batch sizes
 each of those is a launch-bound kernel of 1-2 µs.
 
@@ -14,7 +14,7 @@ which also keeps the interpreter's compile, and the CPU tests, short.) The cache
 aliased to the outputs (in place under a jit that donates them). Padding tokens point at the reserved
 block 0, whose contents are never read.
 
-Rope is the rotate-half convention of `models.common.apply_rope`: dims i and i + Dh/2 form a pair, the
+Rope is the rotate-half convention of `jaxserve.models.common.apply_rope`: dims i and i + Dh/2 form a pair, the
 rotation is computed in float32 and rounded to qkv's dtype, then (like every row) cast to the cache's
 dtype, the same roundings in the same order as that function followed by `write_kv`. Loading the halves
 separately means no tile is ever concatenated or rolled.
@@ -148,7 +148,7 @@ def rope_write_kv(
     """Rope on the query and key rows of qkv, the roped key and the value of token t written to cache slot
     slot_mapping[t]; returns (q [T, K*G, Dh] in the cache's dtype, k_cache, v_cache).
 
-    cos and sin are float32 [T, Dh/2] (`models.common.rope_frequencies`). block_t (tokens per program, a
+    cos and sin are float32 [T, Dh/2] (`jaxserve.models.common.rope_frequencies`). block_t (tokens per program, a
     power of two) and num_warps default to `default_block_t` and `default_num_warps`.
     """
     check_rope_write_inputs(k_cache, v_cache, qkv, cos, sin, slot_mapping)
