@@ -1,4 +1,4 @@
-"""The README's attention-kernel example runs as written and agrees with the jnp reference."""
+"""The attention-kernel example of docs/kernels.md runs as written and agrees with the jnp reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxserve import kernels as pk
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 
 
 def _example() -> str:
