@@ -342,7 +342,7 @@ def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
 
 
 def test_the_readme_commands_parse():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
     block = readme.split("## Benchmarking", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line for line in block.replace("\\\n", " ").splitlines() if line.startswith("jaxserve bench")]
     assert len(commands) == 3
