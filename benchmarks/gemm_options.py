@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from step_profile import SHAPES, VARIANTS, decode_workload, prefill_workload, wall_ms
 
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.inputs import StepConfig
 from jaxserve.models import registry
 from jaxserve.runner import (
     TRITON_GEMM_OPTION,
@@ -37,6 +36,7 @@ from jaxserve.runner import (
     resolve_backend,
 )
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams
+from jaxserve.variants import StepConfig
 
 OPTION_SETS = {
     "xla default": {},

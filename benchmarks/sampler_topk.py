@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from common import timed_ms
 
-from jaxserve.inputs import SamplingInputs
 from jaxserve.logprobs import token_logprobs
 from jaxserve.sampler import sample
+from jaxserve.step_inputs import SamplingInputs
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ import time
 import numpy as np
 
 from jaxserve.block_manager import BlockManager
+from jaxserve.buckets import BucketTable
 from jaxserve.config import CapacityPolicy, CompileConfig, EngineConfig, SchedulerConfig
-from jaxserve.inputs import BucketTable
 from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import Scheduler

@@ -22,10 +22,11 @@ from array import array
 import numpy as np
 
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.inputs import StepConfig, make_step_inputs
 from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow
+from jaxserve.step_inputs import make_step_inputs
+from jaxserve.variants import StepConfig
 
 VOCAB = 32000
 

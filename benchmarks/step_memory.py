@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from common import SMOLLM2_135M
 
+from jaxserve.buckets import Bucket
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.inputs import Bucket, StepConfig
 from jaxserve.models import registry
 from jaxserve.runner import Runner, RunnerSpec
+from jaxserve.variants import StepConfig
 
 
 def main() -> None:

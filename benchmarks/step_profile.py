@@ -62,14 +62,16 @@ import jax.numpy as jnp
 import numpy as np
 from common import LLAMA_3_1_8B, SMOLLM2_135M
 
+from jaxserve.buckets import Bucket
 from jaxserve.config import CompileConfig, EngineConfig
-from jaxserve.inputs import Bucket, SamplerMode, StepConfig, StepInputs, StepVariant, make_step_inputs
 from jaxserve.models import registry
 from jaxserve.models.common import ParamSpec
 from jaxserve.request import Request
 from jaxserve.runner import Runner, RunnerSpec, enable_compilation_cache, resolve_backend
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow
+from jaxserve.step_inputs import StepInputs, make_step_inputs
+from jaxserve.variants import SamplerMode, StepConfig, StepVariant
 
 SHAPES = {
     "llama8b": LLAMA_3_1_8B,

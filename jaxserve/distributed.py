@@ -33,8 +33,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxserve.inputs import Bucket, StepConfig, StepInputs, StepVariant, padding_inputs
+from jaxserve.buckets import Bucket
 from jaxserve.runner import Runner  # also registers StepInputs as a pytree
+from jaxserve.step_inputs import StepInputs, padding_inputs
+from jaxserve.variants import StepConfig, StepVariant
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from jax.sharding import Mesh
 
 from jaxserve import capacity, distributed
 from jaxserve.block_manager import BlockManager
+from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.config import EngineConfig
-from jaxserve.inputs import Bucket, BucketTable, StepConfig, make_step_inputs
 from jaxserve.models.loader import load_from_pytree
 from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.outputs import OutputProcessor
@@ -57,7 +57,9 @@ from jaxserve.runner import (
 )
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
+from jaxserve.step_inputs import StepInputsCache, make_step_inputs
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.variants import StepConfig
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +138,7 @@ class Engine:
         self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, decode_costs=self.runner.decode_costs)
         self.outputs = OutputProcessor(tokenizer)
+        self._inputs_cache = StepInputsCache()  # what a step's inputs reuse from the step before
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=100_000)
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # oldest first; at most two
         self._finished_outside_steps: list[str] = []
@@ -368,7 +371,7 @@ class Engine:
         start = time.perf_counter()
         previous = self._in_flight[-1].batch if self._in_flight else None
         try:
-            inputs, bucket, variant = make_step_inputs(batch, previous, self.steps)
+            inputs, bucket, variant = make_step_inputs(batch, previous, self.steps, self._inputs_cache)
         except Exception as error:
             self._fail_rows(batch, previous, error)
             return None

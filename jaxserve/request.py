@@ -59,10 +59,8 @@ class Request:
     index / parent: sample index within the request's n samples; samples > 0 point at sample 0.
     block_ids / block_hashes: owned by the BlockManager; hashes of the full blocks computed so far.
         block_ids is a C-int array (`array("i")`, packed int32): a step joins its rows' block lists
-        into the block table as bytes (`inputs._fill_block_table`), without converting Python ints.
+        into the block table as bytes (`step_inputs._fill_block_table`), without converting Python ints.
     num_cached_tokens: prompt tokens served from the prefix cache (or a fork) at the last admission.
-    sampling_record: the request's per-row sampling inputs, packed by make_step_inputs the first time the
-        request runs (`inputs.sampling_record`): its parameters and seed never change.
     """
 
     request_id: str
@@ -84,7 +82,6 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    sampling_record: bytes | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -47,17 +47,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from jaxserve import capacity
+from jaxserve.buckets import Bucket
 from jaxserve.executables import ExecutableStore
-from jaxserve.inputs import (
-    Bucket,
-    SamplerMode,
-    SamplingInputs,
-    StepConfig,
-    StepInputs,
-    StepVariant,
-    TokenHistory,
-    padding_inputs,
-)
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
 from jaxserve.models.attention import PagedAttentionMetadata, PagedKVCache, init_paged_cache, paged_cache_specs
 from jaxserve.models.common import delete_arrays
@@ -65,14 +56,15 @@ from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.sampler import sample_with_logits
 from jaxserve.sharding.mesh import MESH_AXES, MODEL_AXIS, make_mesh
 from jaxserve.sharding.rules import named_shardings
+from jaxserve.step_inputs import SamplingInputs, StepInputs, TokenHistory, padding_inputs, register_device_pytrees
+from jaxserve.variants import SamplerMode, StepConfig, StepVariant
 
 if TYPE_CHECKING:
     from jaxserve.distributed import StepChannel
 
 logger = logging.getLogger(__name__)
 
-# inputs.py stays free of jax; the step receives its StepInputs as a pytree.
-jax.tree_util.register_dataclass(StepInputs)
+register_device_pytrees()  # StepInputs is a pytree declared in the jax-free step_inputs.py
 
 
 @jax.tree_util.register_dataclass

@@ -4,15 +4,15 @@ Everything here is a pure function of device arrays that the runner compiles as 
 with no data-dependent shapes and no device-side conditional: a `lax.cond` makes the call that
 launches it wait for the device to reach the predicate (docs/benchmarks.md, "Third 8B run"), which
 would stall the host behind every sampling step. What a batch needs is chosen on the host instead,
-as the sampler mode (`SamplerMode`, part of `inputs.StepVariant`):
+as the sampler mode (`SamplerMode`, part of `variants.StepVariant`):
 
 - GREEDY: every row is greedy and none asks for top logprobs: an argmax.
 - CANDIDATES: the filters are cut from each row's NUM_CANDIDATES most likely tokens, found in two
   cheap stages (`two_stage_top_k`); exact whenever every row's top-k fits the candidates and every top-p row
-  has such a top-k (the host checks, `inputs.sampler_mode`); min-p needs only the maximum.
+  has such a top-k (the host checks, `StepConfig.sampler_mode`); min-p needs only the maximum.
 - SORTED: the filters are cut from a descending sort of each row's whole vocabulary (any top-p).
 The host side (validation of SamplingParams, stop conditions) lives in `sampling.py`, the per-row
-arrays in `inputs.SamplingInputs` (registered here as a pytree); logprobs in `logprobs.py`.
+arrays in `step_inputs.SamplingInputs`; logprobs in `logprobs.py`.
 
 Semantics follow vLLM:
 - order: penalties -> temperature -> top-k -> top-p -> min-p -> sample;
@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxserve.inputs import NUM_CANDIDATES, SamplerMode, SamplingInputs, TokenHistory
+from jaxserve.step_inputs import SamplingInputs, TokenHistory, register_device_pytrees
+from jaxserve.variants import NUM_CANDIDATES, SamplerMode
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): dividing by a smaller value only
 # risks overflow, and the distribution is already a point mass in float32.
@@ -41,8 +42,7 @@ GREEDY_TEMPERATURE = 1e-5
 # Vocabulary entries per chunk in `top_k`'s first stage.
 TOP_K_CHUNK = 128
 
-jax.tree_util.register_dataclass(SamplingInputs)
-jax.tree_util.register_dataclass(TokenHistory)
+register_device_pytrees()  # SamplingInputs and TokenHistory are declared pytrees in the jax-free step_inputs.py
 
 
 def sample(

@@ -41,7 +41,6 @@ import time
 from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -80,18 +79,11 @@ class ScheduledRow:
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """The rows of one step (prefill chunks first, then decode rows) and who was preempted for it.
-
-    columns, step: what `inputs.make_step_inputs` read from the rows (BatchColumns) and built for them
-    (StepInputs, Bucket, StepVariant), kept for the next step's inputs: its carried tokens, and in steady
-    decode most of its arrays.
-    """
+    """The rows of one step (prefill chunks first, then decode rows) and who was preempted for it."""
 
     rows: list[ScheduledRow]
     num_prefill_rows: int = 0
     preempted: list[Request] = field(default_factory=list)
-    columns: Any = field(default=None, repr=False, compare=False)
-    step: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

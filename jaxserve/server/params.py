@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.inputs import has_penalty
 from jaxserve.sampling import SamplingParams, validate_prompt_token_ids
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.variants import has_penalty
 
 # Request fields passed to SamplingParams under the same name when they are not None.
 _SAMPLING_FIELDS = (

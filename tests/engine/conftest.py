@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import transformers
 
+from jaxserve.buckets import Bucket
 from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
-from jaxserve.inputs import Bucket, SamplerMode, StepVariant
 from jaxserve.llm import LLM
 from jaxserve.models import registry
 from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import Runner
+from jaxserve.variants import SamplerMode, StepVariant
 
 VOCAB = 160
 # Token id i decodes to the character chr(_CHAR_BASE + i); _CHAR_BASE is a multiple of VOCAB so that

@@ -308,8 +308,8 @@ def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypa
     """With prompt-logprobs variants the largest step also holds a slice of full-vocabulary logits: that
     variant (of the largest token bucket) is the one probed."""
     from jaxserve.config import CompileConfig
-    from jaxserve.inputs import SamplerMode
     from jaxserve.runner import Runner
+    from jaxserve.variants import SamplerMode
 
     monkeypatch.setattr(capacity, "device_memory", lambda device: (4 * GB, GB))
     monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: GB)

@@ -25,7 +25,9 @@ HOST_POLICY_MODULES = (
     "jaxserve.request",
     "jaxserve.block_manager",
     "jaxserve.scheduler",
-    "jaxserve.inputs",
+    "jaxserve.buckets",
+    "jaxserve.variants",
+    "jaxserve.step_inputs",
 )
 
 

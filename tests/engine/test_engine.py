@@ -345,8 +345,10 @@ def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
 ):
     """Warmup compiles exactly StepConfig.forwards() and samplers(); every step the engine runs, whatever
     its requests ask for, is one of the steps they serve (Runner.run refuses anything else, naming it)."""
-    from jaxserve.inputs import Bucket, SamplerMode, StepVariant, padding_inputs
+    from jaxserve.buckets import Bucket
     from jaxserve.runner import Runner
+    from jaxserve.step_inputs import padding_inputs
+    from jaxserve.variants import SamplerMode, StepVariant
 
     llm = make_llm(tiny_model("llama"), kv_tokens=256, compile_config=EVERY_VARIANT)
     runner, steps = llm.engine.runner, llm.engine.steps

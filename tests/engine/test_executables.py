@@ -176,7 +176,7 @@ def test_running_every_step_once_leaves_the_pool_and_the_tokens_alone(tiny_model
 
 
 def test_gpu_forwards_of_many_tokens_compile_with_cublas_gemms_only(monkeypatch):
-    from jaxserve.inputs import Bucket
+    from jaxserve.buckets import Bucket
     from jaxserve.runner import CUBLAS_MIN_TOKENS, TRITON_GEMM_OPTION, forward_compiler_options
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)

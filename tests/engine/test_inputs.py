@@ -9,26 +9,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.config import CompileConfig, EngineConfig, KvCacheConfig
-from jaxserve.inputs import (
-    MAX_BANNED_TOKENS,
-    NO_TARGET,
+from jaxserve.buckets import (
     Bucket,
     BucketTable,
-    SamplerMode,
-    SamplingInputs,
-    StepConfig,
-    StepVariant,
     default_token_buckets,
     filter_decode_batch_sizes,
     generate_decode_batch_sizes,
     kv_block_buckets,
-    make_step_inputs,
-    padding_inputs,
 )
+from jaxserve.config import CompileConfig, EngineConfig, KvCacheConfig
 from jaxserve.request import Request, make_requests
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow
+from jaxserve.step_inputs import NO_TARGET, SamplingInputs, make_step_inputs, padding_inputs
+from jaxserve.variants import MAX_BANNED_TOKENS, SamplerMode, StepConfig, StepVariant
 
 VOCAB = 1000
 
@@ -572,8 +566,8 @@ def test_steady_decode_steps_built_from_the_previous_step_equal_steps_built_in_f
     every step it so builds equals the same batch built in full."""
     from jaxserve.block_manager import BlockManager
     from jaxserve.config import CapacityPolicy, SchedulerConfig
-    from jaxserve.inputs import BatchColumns, _advanced, _built
     from jaxserve.scheduler import Scheduler
+    from jaxserve.step_inputs import BatchColumns, StepInputsCache, _advanced, _built
 
     config = EngineConfig(
         8,
@@ -599,16 +593,18 @@ def test_steady_decode_steps_built_from_the_previous_step_equal_steps_built_in_f
         prompt = rng.integers(1, VOCAB, int(rng.integers(1, 20))).tolist()
         for request in make_requests(str(i), prompt, params, eos_token_ids=(2,)):
             scheduler.add(request)
-    in_flight, advanced, steps_built = None, 0, 0
+    in_flight, advanced, steps_built, cache = None, 0, 0, StepInputsCache()
     while scheduler.has_unfinished() or in_flight is not None:
         batch = scheduler.schedule()
         if not batch.is_empty:
-            inputs, bucket, variant = make_step_inputs(batch, in_flight, step_config)
+            last = cache.last  # the step in flight, as built
+            inputs, bucket, variant = make_step_inputs(batch, in_flight, step_config, cache)
             steps_built += 1
-            if in_flight is not None and _advanced(batch, BatchColumns.of(batch), in_flight, step_config):
+            if in_flight is not None and _advanced(batch, cache.last.columns, last, step_config):
                 advanced += 1
                 again = ScheduledBatch(batch.rows, batch.num_prefill_rows)
-                want_inputs, want_bucket, want_variant = _built(again, BatchColumns.of(again), in_flight, step_config)
+                columns = BatchColumns.read(again, StepInputsCache())
+                want_inputs, want_bucket, want_variant = _built(again, columns, last.columns, step_config)
                 assert (bucket, variant) == (want_bucket, want_variant)
                 got, want = _leaves(inputs), _leaves(want_inputs)
                 assert got.keys() == want.keys()

@@ -11,11 +11,13 @@ import logging
 import numpy as np
 import pytest
 
+from jaxserve.buckets import Bucket
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
-from jaxserve.inputs import Bucket, SamplerMode, StepVariant, padding_inputs
 from jaxserve.runner import resolve_lazy
 from jaxserve.sampling import SamplingParams
+from jaxserve.step_inputs import padding_inputs
+from jaxserve.variants import SamplerMode, StepVariant
 
 VOCAB = 160
 NEW_TOKENS = 12

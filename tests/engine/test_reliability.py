@@ -123,7 +123,7 @@ def test_an_exception_inside_a_step_leaves_an_engine_whose_next_generate_is_corr
 
 
 def test_a_request_whose_inputs_cannot_be_built_fails_alone(llm, alone, idle_after, monkeypatch):
-    import jaxserve.inputs as inputs
+    import jaxserve.step_inputs as inputs
 
     poisoned = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, min_tokens=1)
     original = inputs._fill_banned

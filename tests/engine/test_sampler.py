@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from jaxserve.inputs import SamplerMode, SamplingInputs, TokenHistory
 from jaxserve.sampler import apply_penalties, sample, two_stage_top_k
+from jaxserve.step_inputs import SamplingInputs, TokenHistory
+from jaxserve.variants import SamplerMode
 
 _jit_sample = jax.jit(sample, static_argnames=("mode",))
 _apply_penalties = jax.jit(apply_penalties)

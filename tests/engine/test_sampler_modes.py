@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
-from jaxserve.inputs import NUM_CANDIDATES, SamplerMode
 from jaxserve.sampling import SamplingParams
+from jaxserve.variants import NUM_CANDIDATES, SamplerMode
 
 VOCAB = 160
 NEW_TOKENS = 12

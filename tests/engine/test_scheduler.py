@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 
 from jaxserve.block_manager import RESERVED_BLOCK, BlockManager
 from jaxserve.config import CapacityPolicy, CompileConfig, EngineConfig, KvCacheConfig, SchedulerConfig
-from jaxserve.inputs import StepConfig, make_step_inputs
 from jaxserve.request import IllegalTransition, Request, RequestStatus, make_requests
 from jaxserve.sampling import FinishReason, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler
+from jaxserve.step_inputs import make_step_inputs
+from jaxserve.variants import StepConfig
 
 GUARANTEED = CapacityPolicy.GUARANTEED_NO_EVICT
 MAX_UTIL = CapacityPolicy.MAX_UTILIZATION

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jaxserve.config import CompileConfig
-from jaxserve.inputs import SamplerMode
 from jaxserve.sampling import SamplingParams
+from jaxserve.variants import SamplerMode
 
 VOCAB = 160
 NEW_TOKENS = 8

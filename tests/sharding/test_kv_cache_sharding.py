@@ -17,7 +17,7 @@ CHECK = textwrap.dedent(
     import transformers
     from jaxserve import capacity
     from jaxserve.config import CompileConfig, EngineConfig
-    from jaxserve.inputs import StepConfig
+    from jaxserve.variants import StepConfig
     from jaxserve.runner import Runner, RunnerSpec
     from jaxserve.models import registry
     from jaxserve.sharding.mesh import make_mesh
