@@ -76,7 +76,9 @@ _WINDOW_KEYS = {
     "max_window_layers": ConfigKey("int", at_least=0),
     "layer_types": ConfigKey("str_list"),
 }
-_MODEL_TYPES = {
+# The Hugging Face architectures this family runs -> their model_type (the registry reads it both ways: a
+# config names its architecture, or only its model_type, as transformers' `LlamaConfig(...)` leaves it).
+ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
@@ -161,7 +163,7 @@ def _model_type(hf: dict) -> str:
     model_type = hf.get("model_type")
     if model_type is None:
         architectures = hf.get("architectures") or []
-        model_type = next((_MODEL_TYPES[a] for a in architectures if a in _MODEL_TYPES), None)
+        model_type = next((ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES), None)
     if model_type not in _HF_DEFAULTS:
         raise ValueError(
             f"model_type must be one of {sorted(_HF_DEFAULTS)} for the llama family, "

@@ -1,5 +1,5 @@
-"""Maps Hugging Face `architectures` names to the family module that implements them, and the protocol
-every family satisfies.
+"""Maps Hugging Face `architectures` names (or, where a config has none, its `model_type`) to the family
+module that implements them, and the protocol every family satisfies.
 
 A family module (`jaxserve/models/llama.py`) exposes `ModelFamily`: `param_specs` (the checkpoint layout),
 `serving_specs` and `to_serving` (the layout `forward` reads), `checkpoint_rules`, `init_weights`,
@@ -32,6 +32,8 @@ class ModelConfig(Protocol):
 @runtime_checkable
 class ModelFamily(Protocol):
     """A model family: a module whose functions build, load and run one architecture's weights tree."""
+
+    ARCHITECTURES: dict[str, str]  # the Hugging Face architectures it runs -> their model_type
 
     def param_specs(self, cfg: Any) -> Any:
         """The weights tree with a ParamSpec (shape, logical axes) at every leaf."""
@@ -67,33 +69,54 @@ class ModelFamily(Protocol):
         """float32 logits of hidden states."""
 
 
-# Architecture name -> (family module, its config class).
+# Each family module with its config class; the family's ARCHITECTURES maps the Hugging Face architectures
+# it runs to their model_type.
+_FAMILIES: tuple[tuple[ModelFamily, Any], ...] = ((llama, llama.LlamaConfig),)
+# Architecture name -> (family module, its config class), and model_type -> architecture name.
 _ARCHITECTURES: dict[str, tuple[ModelFamily, Any]] = {
-    "LlamaForCausalLM": (llama, llama.LlamaConfig),
-    "MistralForCausalLM": (llama, llama.LlamaConfig),
-    "Qwen2ForCausalLM": (llama, llama.LlamaConfig),
-    "Qwen3ForCausalLM": (llama, llama.LlamaConfig),
+    name: (family, config_cls) for family, config_cls in _FAMILIES for name in family.ARCHITECTURES
 }
+_MODEL_TYPES: dict[str, str] = {
+    model_type: name for family, _ in _FAMILIES for name, model_type in family.ARCHITECTURES.items()
+}
+_KEYS = {"architectures": ConfigKey("str_list"), "model_type": ConfigKey("str")}
 
 
 def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
+def supported_model_types() -> list[str]:
+    return sorted(_MODEL_TYPES)
+
+
 def resolve(hf_config: dict) -> tuple[ModelFamily, Any]:
     """(family module, family config) for a Hugging Face config.json dict; a ValueError says what is wrong
     with it (the caller adds which file it came from)."""
-    check_config_keys(hf_config, {"architectures": ConfigKey("str_list")})
+    check_config_keys(hf_config, _KEYS)
+    family, config_cls = _ARCHITECTURES[_architecture(hf_config)]
+    return family, config_cls.from_hf(hf_config)
+
+
+def _architecture(hf_config: dict) -> str:
+    """The first supported name in `architectures`; where that key is absent, null or empty (a config built
+    with transformers' `LlamaConfig(...)` has none), the architecture of `model_type`, as transformers' auto
+    classes pick the model class."""
     architectures = hf_config.get("architectures") or []
-    if not architectures:
-        raise ValueError(
-            f"config has no 'architectures' entry; supported architectures: {', '.join(supported_architectures())}"
-        )
-    for name in architectures:
-        if name in _ARCHITECTURES:
-            family, config_cls = _ARCHITECTURES[name]
-            return family, config_cls.from_hf(hf_config)
-    raise ValueError(
-        f"unsupported architecture {', '.join(architectures)}; "
-        f"supported architectures: {', '.join(supported_architectures())}"
+    if architectures:
+        found = next((name for name in architectures if name in _ARCHITECTURES), None)
+        if found is None:
+            raise ValueError(f"unsupported architecture {', '.join(architectures)}; {_supported()}")
+        return found
+    model_type = hf_config.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        found = "no 'model_type'" if model_type is None else f"model_type {model_type!r}, which is not supported"
+        raise ValueError(f"config has no 'architectures' entry and {found}; {_supported()}")
+    return _MODEL_TYPES[model_type]
+
+
+def _supported() -> str:
+    return (
+        f"supported architectures: {', '.join(supported_architectures())}; "
+        f"supported model types: {', '.join(supported_model_types())}"
     )

@@ -105,7 +105,7 @@ def test_registry_rejects_unknown_architectures_listing_the_supported_ones() -> 
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         resolve({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(ValueError, match="no 'architectures'.*MistralForCausalLM"):
-        resolve({"model_type": "llama"})
+        resolve({"model_type": "gpt2"})  # without architectures, by model_type (tests/models/test_model_type.py)
 
 
 def test_from_hf_applies_hugging_face_defaults_for_absent_keys(tiny_hf_config) -> None:
