@@ -3,10 +3,8 @@ and RequestOutput building (vLLM's OutputProcessor; the engine loop stays free o
 
 The engine feeds each sample's new token once the scheduler has applied the token stop rules (EOS,
 stop ids, length): `add_token` detokenizes it, records its logprobs and returns the stop string it
-completed, if any, for the engine to finish the request with. A stop string ends the text where it
-begins (it is not part of the output); while a sample runs, the tail of its text that could still
-begin a stop string is held back, so a streamed text only grows and ends exactly where the
-non-streamed one does. A stop string found in the same token as a length stop wins, as in vLLM.
+completed, if any, for the engine to finish the request with. The stop rules themselves, text ones
+included (where a stop string ends the text, what a running sample holds back), are `jaxserve.stopping`'s.
 
 Host policy: no jax here.
 """
@@ -21,9 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.request import Request
-from jaxserve.sampling import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from jaxserve.sampling import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jaxserve.scheduler import ScheduledBatch
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_holdback
+from jaxserve.stopping import StopString, find_stop_string, reported_finish, visible_text
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from jaxserve.logprobs import TokenLogprobs
@@ -37,32 +36,24 @@ class _Sample:
     detokenizer: IncrementalDetokenizer
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
-    stop: str | None = None  # the stop string that ended the text ...
-    stop_index: int | None = None  # ... and where it begins
+    stop: StopString | None = None  # the stop string that ended the text
 
     @property
     def text(self) -> str:
-        """The text so far: up to the stop string, or without the tail that may still begin one."""
-        text = self.detokenizer.text
-        if self.stop_index is not None:
-            return text[: self.stop_index]
-        stops = self.request.sampling_params.stop
-        if self.request.is_finished or not stops:
-            return text
-        return text[: len(text) - stop_holdback(text, stops)]
+        """The text so far (`jaxserve.stopping.visible_text`)."""
+        request = self.request
+        return visible_text(self.detokenizer.text, request.sampling_params.stop, request.is_finished, self.stop)
 
     def completion(self) -> CompletionOutput:
         request, params = self.request, self.request.sampling_params
-        reason = request.finish_reason.value if request.finish_reason is not None else None
-        if self.stop is not None and request.is_finished:
-            reason = FinishReason.STOP.value
+        finish = reported_finish(request, self.stop)
         return CompletionOutput(
             index=request.index,
             text=self.text,
             token_ids=list(request.output_token_ids),
             logprobs=list(self.logprobs) if params.logprobs is not None else None,
-            finish_reason=reason,
-            stop_reason=self.stop if self.stop is not None else request.stop_reason,
+            finish_reason=finish.reason.value if finish is not None else None,
+            stop_reason=finish.stop_reason if finish is not None else None,
             token_logprobs=np.array(self.token_logprobs, np.float32) if params.token_logprobs else None,
         )
 
@@ -164,16 +155,8 @@ class OutputProcessor:
         detokenizer.add(token)
         if request.is_finished:
             detokenizer.flush()
-        stops = params.stop
-        # As vLLM: stop strings count only once min_tokens tokens are out (the tail is held back anyway).
-        if not stops or len(request.output_token_ids) <= params.min_tokens:
-            return None
-        index = find_stop(detokenizer.text, stops, checked - max(len(s) for s in stops) + 1)
-        if index is None:
-            return None
-        sample.stop_index = index
-        sample.stop = min((s for s in stops if detokenizer.text.startswith(s, index)), key=len)
-        return sample.stop
+        sample.stop = find_stop_string(detokenizer.text, checked, params, len(request.output_token_ids))
+        return sample.stop.text if sample.stop is not None else None
 
     def add_prompt_logprobs(self, batch: ScheduledBatch, logprobs: TokenLogprobs) -> None:
         """Records the prompt positions a step scored (flat token t of a row at position p scores prompt

@@ -48,6 +48,7 @@ from jaxserve.block_manager import BlockManager
 from jaxserve.config import CapacityPolicy, EngineConfig
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import FinishReason
+from jaxserve.stopping import token_stop
 
 
 @dataclass(slots=True)
@@ -478,7 +479,8 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------------
 
     def update(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[Request]:
-        """Appends each sampling row's token, applies the token stop rules, frees finished requests.
+        """Appends each sampling row's token, applies the token stop rules (`jaxserve.stopping.token_stop`),
+        frees finished requests.
 
         sampled: one token id per row of the step (padding rows beyond the batch are ignored).
         Returns the requests that got a token (finished ones included), in row order.
@@ -495,24 +497,12 @@ class Scheduler:
             if row.samples:
                 request.append_token(token, now)
                 changed.append(request)
-                self._check_stop(request, now)
+                stop = token_stop(request, self.config.max_seq_len)
+                if stop is not None:
+                    self.finish(request, stop.reason, stop_reason=stop.stop_reason)
             if not request.is_finished:
                 self.block_manager.cache_full_blocks(request)
         return changed
-
-    def _check_stop(self, request: Request, now: float) -> None:
-        """Token-based stops: EOS (unless ignore_eos) and stop_token_ids after min_tokens; then length."""
-        params = request.sampling_params
-        token = request.token_ids[-1]
-        if len(request.token_ids) - request.num_prompt_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                self.finish(request, FinishReason.STOP)
-                return
-            if token in params.stop_token_ids:
-                self.finish(request, FinishReason.STOP, stop_reason=token)
-                return
-        if len(request.token_ids) >= request.max_total_tokens(self.config.max_seq_len):
-            self.finish(request, FinishReason.LENGTH)
 
     def finish(
         self,
