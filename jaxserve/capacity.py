@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxserve import compat
 from jaxserve.config import EngineConfig
 from jaxserve.models.attention import PagedKVCache
 from jaxserve.sharding.rules import shard_bytes
@@ -84,9 +85,7 @@ def gpu_backend_possible() -> bool:
 
 def backends_started() -> bool:
     """Whether jax has created a backend in this process (a client reads its environment variables then)."""
-    from jax._src import xla_bridge  # no public query for "has a backend been created"
-
-    return bool(getattr(xla_bridge, "_backends", {}))
+    return compat.backends_initialized()
 
 
 def kv_bytes_per_token(cache_specs: PagedKVCache, mesh: Mesh | Mapping[str, int], dtype: np.dtype) -> int:

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxserve import compat
 from jaxserve.buckets import Bucket
 from jaxserve.runner import Runner  # also registers StepInputs as a pytree
 from jaxserve.step_inputs import StepInputs, padding_inputs
@@ -187,7 +188,7 @@ class StepChannel:
     them over `padding_inputs` of that step, the one declaration of their shapes and dtypes."""
 
     def __init__(self) -> None:
-        client = jax._src.distributed.global_state.client  # the store multihost_utils uses too
+        client = compat.distributed_client()  # the store multihost_utils uses too
         if client is None:
             raise RuntimeError("jax.distributed is not initialized: call jaxserve.distributed.initialize first")
         # Every process builds its engines, and so their channels, in the same order: the n-th channel of
