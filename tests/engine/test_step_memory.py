@@ -15,8 +15,7 @@ import pytest
 from jaxserve.buckets import Bucket
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.models.common import ParamSpec
-from jaxserve.runner import Runner
-from jaxserve.step import RunnerSpec
+from jaxserve.runner import Runner, RunnerSpec  # RunnerSpec: re-exported by runner before and after its split
 from jaxserve.variants import StepConfig
 
 SMALL_POOL, LARGE_POOL = 512, 4096  # blocks: 4 MiB and 32 MiB of float32 K + V for the tiny Llama
