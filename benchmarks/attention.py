@@ -1,7 +1,7 @@
 """Attention benchmark on one GPU, by wall clock: ceilings, decode, prefill, mixed batch and write_kv, each
-checked against the jnp reference in the same run. The tables of docs/benchmarks.md now come from
+checked against the jnp reference in the same run. The kernel table of docs/performance.md comes from
 `attention_kernels.py` (device time per kernel under Nsight Compute, wall time and error beside it; run
-by `h200_attention.sh`), which builds its batches and the built-in op's call with this module.
+by `gpu_attention.sh`), which builds its batches and the built-in op's call with this module.
 
     PYTHONUNBUFFERED=1 python benchmarks/attention.py [--sweep] [--quick] [--json PATH]
 
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from ceilings import ceilings
+from common import time_calls
 
 from jaxserve import kernels as pk
 
@@ -76,19 +78,6 @@ def make_batch(name: str, seqs: list[tuple[int, int]], *, seed: int, pad_seqs: i
     return batch
 
 
-def time_calls(fn, arg_sets: list[tuple], reps: int) -> float:
-    """Seconds per call: `reps` calls (cycling through arg_sets) inside one jit, median of five runs."""
-    sets = [arg_sets[i % len(arg_sets)] for i in range(reps)]
-    many = jax.jit(lambda sets: [fn(*a) for a in sets])
-    jax.block_until_ready(many(sets))
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(many(sets))
-        runs.append((time.perf_counter() - start) / reps)
-    return statistics.median(runs)
-
-
 def reps_for(batch: Batch) -> int:
     return 4 if batch.kv_bytes > (4 << 30) else 10
 
@@ -106,15 +95,6 @@ def ours(**tuning):
 
 def reference(*a):
     return pk.ragged_paged_attention_reference(*a, sm_scale=SM_SCALE)
-
-
-def ceilings() -> dict[str, float]:
-    x = jax.random.normal(jax.random.key(0), (1 << 30,), DTYPE)  # 2 GiB
-    copy = time_calls(lambda x: -x, [(x,)], 10)
-    a = jax.random.normal(jax.random.key(1), (8192, 8192), DTYPE)
-    b = jax.random.normal(jax.random.key(2), (8192, 8192), DTYPE)
-    mm = time_calls(lambda a, b: a @ b, [(a, b)], 10)
-    return {"copy_TBps": 2 * x.nbytes / copy / 1e12, "matmul_TFLOPs": 2 * 8192**3 / mm / 1e12}
 
 
 def builtin_decode(batch: Batch):

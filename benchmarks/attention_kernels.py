@@ -181,7 +181,8 @@ def run_ncu(reps: int, only: list[str] | None, skip: list[str] | None) -> None:
 def run_time(only: list[str] | None, skip: list[str] | None) -> None:
     """Wall time per call; for our kernels also the error against the jnp reference (‖out − ref‖ / ‖ref‖)."""
     import jax
-    from attention import reference, rel_err, time_calls
+    from attention import reference, rel_err
+    from common import time_calls
 
     for name, kind, seqs, options in CASES:
         if not _selected(name, only, skip):
