@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The attention figures of docs/benchmarks.md on one H200 (each part fits one 10-minute device call):
-#   bash benchmarks/h200_attention.sh cases "sweep,prefill"  # device times of the cases named (and the ceilings)
-#   bash benchmarks/h200_attention.sh table    # ceilings and every table case (device time, then wall time)
+# The attention kernels' figures of docs/performance.md (and docs/kernels.md) on one NVIDIA GPU (H100 or H200),
+# with Nsight Compute (`ncu`); each part fits one 10-minute device call:
+#   bash benchmarks/gpu_attention.sh table    # ceilings and every table case (device time, then wall time)
+#   bash benchmarks/gpu_attention.sh cases "sweep,prefill"  # device times of the cases named (and the ceilings);
+#                                                          # "sweep": the tilings behind jaxserve/kernels/tuning.py
 # Outputs: $OUT/*.csv (ncu), $OUT/*.txt (summaries).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"

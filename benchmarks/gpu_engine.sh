@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The engine figures of docs/performance.md on one NVIDIA GPU (H100 or H200), the Llama-3.1-8B shape with random
+# bf16 weights; each mode fits one 10-minute device call and starts with the card's ceilings (ceilings.py):
+#   bash benchmarks/gpu_engine.sh ceilings    # copy TB/s and bf16 matmul TFLOP/s only
+#   bash benchmarks/gpu_engine.sh latency     # jaxserve bench latency, batch 1 / 8 / 32, 128/128
+#   bash benchmarks/gpu_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
+#   bash benchmarks/gpu_engine.sh long        # 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
+#   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
+#   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
+#                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
+#   bash benchmarks/gpu_engine.sh serve       # jaxserve serve under 256 streaming clients (serve_load.py), then
+#                                             # the bench on the same engine settings (SERVE_MODE=thread:
+#                                             # --engine-thread; INTERVALS="8 1": one server each; NO_BENCH=1)
+#   bash benchmarks/gpu_engine.sh profile     # the decode step kernel by kernel against its floors (step_profile.py)
+#   bash benchmarks/gpu_engine.sh parity      # greedy tokens of the pallas and xla backends (backend_parity.py)
+# `throughput` starts from an empty compile cache ($JAXSERVE_CACHE/xla removed) so its first run is the cold
+# warmup. Results: each bench's JSON in $OUT/NAME.json, its steps in $OUT/NAME.steps.jsonl summarised by
+# iteration_summary.py, full logs in $OUT/*.log; `profile` writes $OUT/profile_<name>.{txt,csv,log} and its
+# traces under $TRACES (default /tmp/step_profile_traces).
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD JAXSERVE_CACHE=${JAXSERVE_CACHE:-$HOME/.cache/jaxserve}
+profile_run() {  # profile_run NAME TIMEOUT ARGS...: one step_profile.py process, its table kept
+  local name=$1 limit=$2; shift 2
+  echo "== $name: python benchmarks/step_profile.py $*"
+  timeout "$limit" python3 benchmarks/step_profile.py "$@" --out "$OUT/profile_$name.csv" \
+    --trace-dir "${TRACES:-/tmp/step_profile_traces}/$name" 2>"$OUT/profile_$name.log" | tee "$OUT/profile_$name.txt"
+  grep -E "Error|error" "$OUT/profile_$name.log" | cut -c1-220 | tail -n 14
+}
+bench_run() {  # bench_run NAME TIMEOUT ARGS...: one `jaxserve bench` process (-v log kept), its JSON to $OUT/NAME.json,
+  # its steps to $OUT/NAME.steps.jsonl and their host time by kind of step (iteration_summary.py) to stdout
+  local name=$1 limit=$2; shift 2
+  echo "== $name: jaxserve bench $*"
+  timeout "$limit" python3 -m jaxserve.cli bench "$@" --json -v --iteration-log "$OUT/$name.steps.jsonl" \
+    2>"$OUT/$name.log" | tee "$OUT/$name.json"; echo
+  [ -s "$OUT/$name.steps.jsonl" ] && python3 benchmarks/iteration_summary.py "$OUT/$name.steps.jsonl"
+  grep -E "jaxserve.(capacity: KV cache|runner: warmup|runner: decode step on padding|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-400 | tail -n 6
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+python3 benchmarks/ceilings.py
+case "${1:-}" in
+  ceilings) ;;
+  profile)
+    P=(--shape llama8b --backend pallas --max-seq-len 2048)
+    profile_run b1_c128 200 "${P[@]}" --batch 1 --context 128
+    profile_run b256_c192 280 "${P[@]}" --batch 256 --context 192 --variant greedy,candidates,sorted
+    ;;
+  latency)
+    for b in 1 8 32; do
+      bench_run latency_b$b 170 latency --random-weights llama-3.1-8b --batch-size $b --input-len 128 --output-len 128 --num-iters 3
+    done
+    ;;
+  throughput)
+    rm -rf "$JAXSERVE_CACHE/xla"
+    T=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128)
+    bench_run t1024_cold 240 "${T[@]}"
+    bench_run t1024_cached 120 "${T[@]}"
+    bench_run t1024_sampling 120 "${T[@]}" --temperature 0.8 --top-p 0.95 --top-k 50 --seed-per-request
+    ;;
+  long)
+    L=(throughput --random-weights llama-3.1-8b --max-seq-len 2176)
+    bench_run t512_1000_1000 220 "${L[@]}" --num-requests 512 --input-len 1000 --output-len 1000
+    bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
+    bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
+    ;;
+  admission)  # against `long` on the same machine start
+    A=(throughput --random-weights llama-3.1-8b --max-seq-len 2176 --no-bucket-aware-admission)
+    bench_run t512_1000_1000_uncapped 220 "${A[@]}" --num-requests 512 --input-len 1000 --output-len 1000
+    bench_run t512_128_2048_uncapped 160 "${A[@]}" --num-requests 512 --input-len 128 --output-len 2048
+    ;;
+  client)  # the variable is read when jax starts its backend: each process below gets its own client
+    E=XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT
+    env $E=0 timeout 150 python3 benchmarks/client_check.py --shape smollm2-135m --save "$OUT/client_tokens.npy" 2>/dev/null
+    env $E=1 timeout 150 python3 benchmarks/client_check.py --shape smollm2-135m --compare "$OUT/client_tokens.npy" 2>/dev/null
+    L=(latency --random-weights llama-3.1-8b --batch-size 32 --input-len 128 --output-len 128 --num-iters 3)
+    i=0; for t in 1 0 1 0; do i=$((i + 1)); export "$E=$t"; bench_run latency_b32_client$t.$i 170 "${L[@]}"; done
+    T=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128)
+    for t in 1 0 1; do i=$((i + 1)); export "$E=$t"; bench_run t1024_client$t.$i 240 "${T[@]}"; done
+    unset "$E"
+    ;;
+  serve)  # SERVE_MODE=thread: the engine in a thread of the server process (--engine-thread); PASSES load runs per server
+    S=(--random-weights llama-3.1-8b --served-model-name llama-3.1-8b --port 8000 --max-batch-size 256 --max-seq-len 256 --no-penalty-variants -v)
+    [ "${SERVE_MODE:-process}" = thread ] && S+=(--engine-thread)
+    C=(--model llama-3.1-8b --num-clients 256 --num-requests 1024 --input-len 128 --output-len 128 --processes 4 --json)
+    for interval in ${INTERVALS:-8 1}; do
+      echo "== jaxserve serve ${S[*]} --stream-interval $interval; python benchmarks/serve_load.py ${C[*]}"
+      python3 -m jaxserve.cli serve "${S[@]}" --stream-interval "$interval" >/dev/null 2>"$OUT/serve_$interval.log" &
+      server=$!
+      for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+      for pass in $(seq 1 "${PASSES:-1}"); do
+        echo "pass $pass (prompts of --seed $pass: a later pass finds none of an earlier one's in the prefix cache)"
+        timeout 120 python3 benchmarks/serve_load.py "${C[@]}" --seed "$pass" | tee -a "$OUT/results.jsonl"
+        curl -s http://127.0.0.1:8000/metrics | grep -E "^jaxserve:time_per_output_token_seconds_(sum|count)"
+      done
+      kill -INT $server; wait $server
+      grep -E "engine loop:" "$OUT/serve_$interval.log"
+    done
+    B=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128 --max-batch-size 256)
+    [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256 120 "${B[@]}"
+    [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256_c256 120 "${B[@]}" --max-concurrency 256  # the clients' closed loop
+    ;;
+  parity)  # SmolLM2-135M-Instruct, real weights (fetched into ~/.cache/jaxserve on first use), float32
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
+      2>"$OUT/parity.log" | tee "$OUT/parity.json"
+    ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|admission|client|serve|profile|parity" >&2; exit 2 ;;
+esac
