@@ -42,9 +42,9 @@ python3 benchmarks/ceilings.py
 case "${1:-}" in
   ceilings) ;;
   profile)
-    P=(--shape llama8b --backend pallas --max-seq-len 2048)
-    profile_run b1_c128 200 "${P[@]}" --batch 1 --context 128
-    profile_run b256_c192 280 "${P[@]}" --batch 256 --context 192 --variant greedy,candidates,sorted
+    P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)
+    profile_run b1_c192 200 "${P[@]}" --batch 1
+    profile_run b32_c192 200 "${P[@]}" --batch 32
     ;;
   latency)
     for b in 1 8 32; do
