@@ -98,7 +98,7 @@ def test_random_workload_has_the_lengths_and_is_fixed_by_the_seed():
     assert ids.min() >= 100 and ids.max() < VOCAB  # clear of the low ids
     assert workload.random_workload(5, 7, 3, VOCAB, seed=1) == load
     assert workload.random_workload(5, 7, 3, VOCAB, seed=2).prompts != load.prompts
-    # The draw of benchmarks/engine.py, so that both give the same prompts for a seed.
+    # The draw of the removed benchmarks/engine.py (the log's early runs), so that a seed gives their prompts.
     rng = np.random.default_rng(1)
     assert load.prompts == [rng.integers(100, VOCAB, 7).tolist() for _ in range(5)]
 
