@@ -2,26 +2,25 @@
 
 A thin layer over `Engine`: it checks its arguments, loads the model (a name, a path, or parameters
 already in memory), derives the engine limits with TensorRT-LLM's rules, and drives the step loop.
-Every call drives the same engine: each step's outputs go to the mailbox of the request they belong
+Every call drives the same engines: each step's outputs go to the mailbox of the request they belong
 to, so `generate` calls and several `stream` iterators can be consumed in any order from one thread.
-A call that raises (a bad prompt, a KeyboardInterrupt) aborts the requests it added; a stream that is
-closed or dropped aborts its request, whose KV blocks are freed at once.
+A call that raises (a bad prompt, a step that failed, a KeyboardInterrupt) aborts the requests it added;
+a stream that is closed or dropped aborts its request, whose KV blocks are freed at once.
 
 Data parallelism: `data_parallel_size` engines (replicas), each on its own devices with its own KV pool,
-scheduler and prefix cache. A new request goes to the replica with the fewest unfinished sequences (ties:
-the lowest index); each step of the loop steps every replica with work, and since a step only dispatches
-the device work before reading back the previous one's tokens, the replicas' devices run at once.
+scheduler and prefix cache, routed to and stepped as one `jaxserve.replicas.ReplicaSet` (the server's
+engine driver uses the same): a new request goes to the least loaded replica, and each step of the loop
+steps every replica with work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import itertools
 import logging
 import numbers
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,11 +28,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import capacity, distributed, gpu_client
-from jaxserve.config import DTYPES, CompileConfig, KvCacheConfig, SchedulerConfig, make_engine_config
+from jaxserve.config import DTYPES, CompileConfig, EngineConfig, KvCacheConfig, SchedulerConfig, make_engine_config
 from jaxserve.engine import Engine, StepStats, model_dtype
 from jaxserve.models.hub import DEFAULT_MODEL
 from jaxserve.models.loader import LoadedModel, load_from_pytree, load_model
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
+from jaxserve.replicas import ReplicaSet, Round
 from jaxserve.sampling import SEED_MODULUS, RequestOutput, SamplingParams
 from jaxserve.sharding.mesh import DATA_AXIS, MESH_AXES, MODEL_AXIS, make_mesh, serving_mesh
 from jaxserve.tokenizer import Tokenizer, validate_conversations
@@ -57,19 +57,12 @@ def default_max_batch_size() -> int:
 
 def _freeze_long_lived_objects() -> None:
     """gc.collect(), then gc.freeze(): every object alive once the engines are ready (the modules, the
-    engines and their compiled steps, jax's tracing caches: 140-260 thousand objects for the default model)
-    moves to the collector's permanent generation, so the full collections a long generate triggers no
-    longer scan them (each one paused the engine loop 0.2-0.3 s on a 2-core CPU, and more after a cold
-    warmup, whose caches hold more objects). `LLM.close` unfreezes them. Objects are still freed when
-    their last reference goes; only garbage cycles among frozen objects wait for the unfreeze."""
+    engines and their compiled steps, jax's tracing caches) moves to the collector's permanent generation,
+    so the full collections a long generate triggers no longer scan them (each one paused the engine loop).
+    `LLM.close` unfreezes them. Objects are still freed when their last reference goes; only garbage cycles
+    among frozen objects wait for the unfreeze."""
     gc.collect()
     gc.freeze()
-
-
-def least_loaded(loads: Sequence[int]) -> int:
-    """The replica a new request goes to, given each replica's unfinished sequences: the fewest, the lowest
-    index among equals (the offline API's rule, and the server's)."""
-    return min(range(len(loads)), key=loads.__getitem__)
 
 
 class LLM:
@@ -103,8 +96,8 @@ class LLM:
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
 
     `llm.model` is the model's description (family, config, Hugging Face config, sources) without its
-    weights: the engine holds the only copy it serves (`update_weights` replaces it). `llm.engines` are the
-    replicas' engines; `llm.engine` is the first.
+    weights: the engine holds the only copy it serves (`update_weights` replaces it). `llm.replicas` is the
+    `ReplicaSet` that routes to and steps the replicas; `llm.engines` are their engines, `llm.engine` the first.
     """
 
     def __init__(
@@ -130,17 +123,12 @@ class LLM:
     ) -> None:
         _check_arguments(model, dtype, max_batch_size, tensor_parallel_size, seed, show_progress)
         _check_size("data_parallel_size", data_parallel_size)
-        capacity.raise_memory_fraction_default()  # before the meshes start jax's backend
-        one_device = mesh is None and (tensor_parallel_size or 1) == 1 and data_parallel_size == 1
-        gpu_client.use_tfrt_client_default(1 if one_device and not jax.distributed.is_initialized() else 0)
-        if jax.distributed.is_initialized() and jax.process_count() > 1:
-            tensor_parallel_size = _multiprocess_tp(tensor_parallel_size, data_parallel_size, mesh, mesh_axes)
-        replica_meshes = _replica_meshes(mesh, mesh_axes, tensor_parallel_size, data_parallel_size)
+        replica_meshes = _start_backend(mesh, mesh_axes, tensor_parallel_size, data_parallel_size)
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # host weights: the runner lays them out on the device one layer at a time
             loaded = load_model(model, dtype=resolve_dtype(dtype), on_device=False)
-        self.model, self.tokenizer = loaded, _tokenizer(tokenizer, loaded)
+        self.tokenizer = _tokenizer(tokenizer, loaded)
         self.config = make_engine_config(
             loaded.hf_config,
             max_batch_size=default_max_batch_size() if max_batch_size is None else max_batch_size,
@@ -154,28 +142,14 @@ class LLM:
             dtype=dtype,
             logprobs_mode=logprobs_mode,
         )
-        self.engines = [
-            Engine(
-                loaded.family,
-                loaded.config,
-                loaded.weights,
-                self.tokenizer,
-                self.config,
-                mesh=replica_mesh,
-                seed=(seed + replica) % SEED_MODULUS,
-                show_progress=show_progress,
-            )
-            for replica, replica_mesh in enumerate(replica_meshes)
-        ]
-        self.engine = self.engines[0]
+        self.replicas = ReplicaSet(
+            _start_engines(loaded, self.tokenizer, self.config, replica_meshes, seed=seed, show_progress=show_progress)
+        )
         # The engine serves its own copy of the weights (the serving layout); holding the checkpoint layout
         # too kept a second copy of every weight on the device for the LLM's lifetime.
         self.model = dataclasses.replace(loaded, weights=None)
         # The latest output of every request a call of this LLM is waiting for (None: none yet).
         self._mailboxes: dict[str, RequestOutput | None] = {}
-        self._owners: dict[str, Engine] = {}  # the replica serving each request not yet finished and taken
-        # With several replicas this LLM names the requests, so that ids are unique across them.
-        self._ids = itertools.count() if len(self.engines) > 1 else None
         self.weights_version = 0  # how many times update_weights replaced the weights
         _freeze_long_lived_objects()
 
@@ -205,6 +179,16 @@ class LLM:
         loaded = LoadedModel(family, cfg, weights, hf_config, None, "parameters in memory")
         return cls(loaded, tokenizer=tokenizer, **{**engine_kwargs, "dtype": dtype})
 
+    @property
+    def engines(self) -> list[Engine]:
+        """The replicas' engines."""
+        return self.replicas.engines
+
+    @property
+    def engine(self) -> Engine:
+        """The first replica's engine (the only one without data parallelism)."""
+        return self.replicas.engines[0]
+
     def update_weights(self, params: Any) -> int:
         """Replaces every weight's values in place (same shapes, placed and cast as the current ones),
         without compiling anything, and returns the new weights version (1 after the first update).
@@ -217,7 +201,7 @@ class LLM:
         dropped. Refused (RuntimeError) while a request is unfinished: call it between `generate` calls.
         The old device buffers are freed layer by layer as the new ones are placed.
         """
-        self._on_every_replica("update_weights", lambda engine: engine.update_weights(params))
+        self.replicas.on_every_replica("update_weights", lambda engine: engine.update_weights(params))
         self.weights_version += 1
         return self.weights_version
 
@@ -225,19 +209,17 @@ class LLM:
         """Frees device memory between uses, e.g. for a trainer on the same device (vLLM's sleep mode):
         level 1 moves the weights to host memory and frees the KV pool, level 2 frees both (the next
         `update_weights` brings weights, before or after `wake_up`). Refused while a request is unfinished."""
-        self._on_every_replica("sleep", lambda engine: engine.sleep(level))
+        self.replicas.on_every_replica("sleep", lambda engine: engine.sleep(level))
 
     def wake_up(self) -> None:
         """Takes the memory back (KV pool, and the weights level 1 kept on the host); nothing recompiles."""
-        self._on_every_replica("wake_up", Engine.wake_up)
+        self.replicas.on_every_replica("wake_up", Engine.wake_up)
 
     def close(self) -> None:
         """Aborts what is unfinished and frees every device buffer of this LLM (`with LLM(...) as llm:`
         does it on leaving the block); the LLM serves no more. Another LLM can be built afterwards."""
-        for engine in self.engines:
-            engine.close()
+        self.replicas.close()
         self._mailboxes.clear()
-        self._owners.clear()
         gc.unfreeze()  # what this LLM held (and everything frozen with it) is collected as usual again
 
     def follow(self) -> int:
@@ -261,21 +243,7 @@ class LLM:
         """Per-step statistics: tokens, sequences, bucket, KV usage, preemptions, prefix hit rate; with several
         replicas, the steps of all of them in the order they were launched (each replica's own:
         `llm.engines[r].stats`)."""
-        if len(self.engines) == 1:
-            return list(self.engine.stats)
-        return sorted((s for engine in self.engines for s in engine.stats), key=lambda s: s.launched_at)
-
-    def _on_every_replica(self, action: str, call: Callable[[Engine], None]) -> None:
-        """`call` on every replica; with several, refused first while any has unfinished work, so that a
-        refusal leaves every replica as it was (one engine refuses by itself)."""
-        if len(self.engines) > 1 and any(engine.has_unfinished() for engine in self.engines):
-            unfinished = sum(e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines)
-            raise RuntimeError(
-                f"{action} while {unfinished} requests are unfinished (or steps in flight) on the replicas: "
-                "let them finish or abort them first"
-            )
-        for engine in self.engines:
-            call(engine)
+        return self.replicas.step_stats()
 
     def generate(
         self,
@@ -332,13 +300,9 @@ class LLM:
     # ---- the shared step loop -------------------------------------------------------------------
 
     def _add(self, prompt: Prompt, params: SamplingParams | None, stream: bool) -> str:
-        """Queues the request on the least loaded replica (the lowest index among equals)."""
-        loads = [e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines]
-        engine = self.engines[least_loaded(loads)]
-        name = None if self._ids is None else str(next(self._ids))
-        request_id = engine.add_request(prompt, params, name, stream=stream)
+        """Queues the request on the least loaded replica."""
+        request_id = self.replicas.add(prompt, params, stream=stream)
         self._mailboxes[request_id] = None
-        self._owners[request_id] = engine
         return request_id
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
@@ -359,18 +323,20 @@ class LLM:
     def _pump(self) -> list[str]:
         """One step of every replica with work; each output goes to its request's mailbox. Returns the ids
         that got one."""
-        busy = [engine for engine in self.engines if engine.has_unfinished()]
-        if not busy:
+        if not self.replicas.has_unfinished():
             raise RuntimeError("the engine has nothing left to run, but a request of this LLM is unfinished")
-        return self._step(busy)
+        return self._deliver(self.replicas.step())
 
-    def _step(self, engines: list[Engine]) -> list[str]:
+    def _deliver(self, stepped: Round) -> list[str]:
+        """The round's outputs to their mailboxes, then the first step failure raised (the failed replica has
+        requeued its requests; the caller's aborts withdraw its own)."""
         delivered = []
-        for engine in engines:  # each step dispatches before it reads back: the replicas overlap
-            for output in engine.step():
-                if output.request_id in self._mailboxes:  # else: aborted by its caller, nobody waits for it
-                    self._mailboxes[output.request_id] = output
-                    delivered.append(output.request_id)
+        for output in stepped.outputs:
+            if output.request_id in self._mailboxes:  # else: aborted by its caller, nobody waits for it
+                self._mailboxes[output.request_id] = output
+                delivered.append(output.request_id)
+        if stepped.failures:
+            raise stepped.failures[0].error
         return delivered
 
     def _take(self, request_id: str) -> RequestOutput | None:
@@ -380,7 +346,6 @@ class LLM:
             self._mailboxes[request_id] = None
             if output.finished:
                 del self._mailboxes[request_id]
-                self._owners.pop(request_id, None)
         return output
 
     def _finals(self, request_ids: list[str], on_finished: Any) -> list[RequestOutput]:
@@ -405,15 +370,12 @@ class LLM:
 
     def _abort(self, request_id: str) -> None:
         self._mailboxes.pop(request_id, None)
-        engine = self._owners.pop(request_id, None)
-        if engine is not None:  # else: finished and delivered
-            engine.abort(request_id)
+        self.replicas.abort(request_id)  # nothing if it finished
 
     def _drain(self) -> None:
         """Reads back the steps still in flight on the replicas where no request runs, so that they are idle
         between calls."""
-        while idle := [e for e in self.engines if e.has_unfinished() and not e.scheduler.has_unfinished()]:
-            self._step(idle)
+        self._deliver(self.replicas.drain())
 
 
 class RequestStream(Iterator[RequestOutput]):
@@ -470,6 +432,44 @@ def _check_size(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value}")
+
+
+def _start_backend(
+    mesh: Mesh | None, axes: Mapping[str, str | None] | None, tp: int | None, dp: int
+) -> list[Mesh | None]:
+    """Each replica's mesh, once jax's backend is started with this engine's defaults (the memory fraction,
+    the TFRT GPU client for a one-device engine of one process)."""
+    capacity.raise_memory_fraction_default()  # before the meshes start jax's backend
+    one_device = mesh is None and (tp or 1) == 1 and dp == 1
+    gpu_client.use_tfrt_client_default(1 if one_device and not jax.distributed.is_initialized() else 0)
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+        tp = _multiprocess_tp(tp, dp, mesh, axes)
+    return _replica_meshes(mesh, axes, tp, dp)
+
+
+def _start_engines(
+    loaded: LoadedModel,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+    meshes: list[Mesh | None],
+    *,
+    seed: int,
+    show_progress: bool,
+) -> list[Engine]:
+    """One engine per replica mesh; replica r samples unseeded requests with seed + r."""
+    return [
+        Engine(
+            loaded.family,
+            loaded.config,
+            loaded.weights,
+            tokenizer,
+            config,
+            mesh=mesh,
+            seed=(seed + replica) % SEED_MODULUS,
+            show_progress=show_progress,
+        )
+        for replica, mesh in enumerate(meshes)
+    ]
 
 
 def _multiprocess_tp(tp: int | None, dp: int, mesh: Mesh | None, axes: Mapping[str, str | None] | None) -> int | None:

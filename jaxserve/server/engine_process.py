@@ -77,7 +77,6 @@ class EngineProcess:
         except BaseException:
             self.close()
             raise
-        self.num_replicas = self.model.num_replicas
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -110,25 +109,18 @@ class EngineProcess:
         self._reader.start()
 
     def submit(
-        self,
-        replica: int,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        stream: bool,
-        stream_interval: int,
+        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
     ) -> Awaitable[object]:
         assert self._loop is not None, "start() first"
         future: asyncio.Future[None] = self._loop.create_future()
         self._pending[request_id] = future
-        if not self._send(("submit", replica, prompt, params, request_id, stream, stream_interval)):
+        if not self._send(("submit", prompt, params, request_id, stream, stream_interval)):
             self._pending.pop(request_id, None)
             future.set_exception(Unavailable("the engine process is not running"))
         return future
 
-    def abort(self, replica: int, request_id: str) -> None:
-        self._send(("abort", replica, request_id))
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
 
     @property
     def is_running(self) -> bool:
@@ -270,11 +262,11 @@ def _serve_commands(commands: Connection, driver: EngineDriver, emit: Callable[.
             os._exit(0)
         kind = message[0]
         if kind == "submit":
-            _, replica, prompt, params, request_id, stream, interval = message
-            future = driver.submit(replica, prompt, params, request_id, stream=stream, stream_interval=interval)
+            _, prompt, params, request_id, stream, interval = message
+            future = driver.submit(prompt, params, request_id, stream=stream, stream_interval=interval)
             future.add_done_callback(lambda done, rid=request_id: emit("submitted", rid, _portable(done.exception())))
         elif kind == "abort":
-            driver.abort(message[1], message[2])
+            driver.abort(message[1])
         elif kind == "stop":
             driver.request_stop()
             return

@@ -7,19 +7,17 @@ The driver runs in one of two places (the backend):
 - `EngineThread`: a thread of the server process, over the `LLM` it was given (`make_server(llm, ...)`,
   notebooks, the tests). Its events reach the loop through `call_soon_threadsafe`. The driver and the event
   loop share one GIL: while many clients stream, the loop holds it most of the time and the steps stretch
-  (docs/benchmarks.md, "Serving"); while the thread runs, the switch interval is short (`jaxserve.gil`).
+  (docs/performance.md, "Serving under load"); while the thread runs, the switch interval is short
+  (`jaxserve.gil`).
 - `jaxserve.server.engine_process.EngineProcess`: a process of its own (what `jaxserve serve` runs, as
   vLLM's engine core), with requests and events over a pipe, so the HTTP front end and the engine each
   have a GIL.
 
-Data parallelism: the engines are the LLM's replicas. A new request goes to the replica with the fewest
-unfinished sequences, the LLM's rule (`least_loaded`), counted here on the event loop thread from what was
-submitted and has not finished yet (a replica's scheduler does not see a submission before its next step,
-so its own counts would send a burst of requests to one replica); an abort goes to the replica that owns
-the request. The request ids are the server's, unique across replicas. Each round of the driver steps
-every replica with work: a step dispatches its device work before it reads back the previous one's
-tokens, so the replicas' devices run at once. The metrics are summed over the replicas (KV usage:
-averaged), from the `ReplicaStats` each round reports.
+Data parallelism: the engines are the LLM's replicas, which the driver routes to and steps as one
+`jaxserve.replicas.ReplicaSet` (the offline API's too): a submission goes to the least loaded replica, an
+abort to the replica serving the request, and each round steps every replica with work. The request ids
+are the server's, unique across replicas. The metrics are summed over the replicas (KV usage: averaged),
+from the `ReplicaStats` each round reports.
 
 The driver sleeps on a condition while no replica has anything to do (no busy loop) and is woken by every
 submission and abort. An HTTP request's prompts are one RequestGroup: its outputs are cumulative (the text
@@ -28,8 +26,8 @@ instead of a queue. Closing a group before its requests finish (a client gone, a
 aborts them; their blocks are freed at the next step.
 
 A step that raises does not end the driver: the engine recovers (its `_recover`), the requests it had
-admitted fail with a StepFailed error (a 500) and are aborted, and the engine serves on; the other
-replicas' requests are not touched. `shut_down` stops accepting and fails what is in flight with
+admitted fail with a StepFailed error (a 500) and are aborted (`ReplicaSet.abort_admitted`), and the engine
+serves on; the other replicas' requests are not touched. `shut_down` stops accepting and fails what is in flight with
 Unavailable (a 503); `stop` drains and ends the driver. Should the driver itself end on an error (or the
 engine process exit), every request in flight fails with Unavailable too.
 """
@@ -43,13 +41,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxserve import gil
 from jaxserve.bench import step_summary
-from jaxserve.llm import least_loaded
-from jaxserve.request import RequestStatus
+from jaxserve.replicas import ReplicaSet, ReplicaStats, StepFailure
 from jaxserve.sampling import RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
@@ -131,30 +127,6 @@ class RequestGroup:
         self._release(self, [i for i in self.request_ids if i in self._unfinished])
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaStats:
-    """One replica's scheduler and KV pool after a round of steps (what the metrics read)."""
-
-    running: int
-    waiting: int
-    kv_usage: float
-    queried_tokens: int
-    hit_tokens: int
-    preemptions: int
-
-    @classmethod
-    def of(cls, engine: Engine) -> ReplicaStats:
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        return cls(
-            scheduler.num_running,
-            scheduler.num_waiting,
-            blocks.usage,
-            blocks.stats.queried_tokens,
-            blocks.stats.hit_tokens,
-            scheduler.num_preemptions,
-        )
-
-
 class EngineDriver:
     """Steps the replicas' engines while any has work, and reports each round through `emit(*event)`.
 
@@ -164,9 +136,7 @@ class EngineDriver:
     loop ends on an error."""
 
     def __init__(self, engines: Sequence[Engine], emit: Callable[..., None]) -> None:
-        if not engines:
-            raise ValueError("EngineDriver needs at least one engine")
-        self.engines = list(engines)
+        self.replicas = ReplicaSet(engines)
         self._emit = emit
         self._cond = threading.Condition()
         # Guarded by _cond: work was submitted, the loop must stop, it sleeps.
@@ -179,24 +149,15 @@ class EngineDriver:
         self._emit_seconds = 0.0
 
     def submit(
-        self,
-        replica: int,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        stream: bool,
-        stream_interval: int,
+        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
     ) -> Future[str]:
-        """Queues the request on the replica's engine (see `Engine.submit`)."""
-        future = self.engines[replica].submit(
-            prompt, params, request_id, stream=stream, stream_interval=stream_interval
-        )
+        """Queues the request on the least loaded replica (see `ReplicaSet.submit`)."""
+        future = self.replicas.submit(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
         self._wake()
         return future
 
-    def abort(self, replica: int, request_id: str) -> None:
-        self.engines[replica].submit_abort(request_id)
+    def abort(self, request_id: str) -> None:
+        self.replicas.submit_abort(request_id)
         self._wake()
 
     def request_stop(self) -> None:
@@ -231,7 +192,7 @@ class EngineDriver:
             f"engine loop: {self._rounds} rounds, per round {1e3 * self._step_seconds / rounds:.2f} ms stepping "
             f"and {1e3 * self._emit_seconds / rounds:.2f} ms sending outputs"
         ]
-        for replica, engine in enumerate(self.engines):
+        for replica, engine in enumerate(self.replicas.engines):
             stats = list(engine.stats)
             steps = step_summary(stats)
             decode_rows = [s.num_seqs for s in stats if s.num_prefill_rows == 0]
@@ -250,19 +211,14 @@ class EngineDriver:
     def _step(self) -> None:
         """One step of every replica with work; a replica whose step raises recovers alone."""
         start = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        for engine in self.engines:
-            if not engine.has_unfinished():
-                continue
-            try:
-                outputs += engine.step()
-            except Exception as error:
-                self._recover(engine, error)
-        stepped = time.perf_counter()
-        self._emit("step", outputs, [ReplicaStats.of(engine) for engine in self.engines])
+        stepped = self.replicas.step()
+        for failure in stepped.failures:
+            self._fail(failure)
+        emitting = time.perf_counter()
+        self._emit("step", stepped.outputs, self.replicas.stats())
         self._rounds += 1
-        self._step_seconds += stepped - start
-        self._emit_seconds += time.perf_counter() - stepped
+        self._step_seconds += emitting - start
+        self._emit_seconds += time.perf_counter() - emitting
 
     def _next_step(self) -> bool:
         """Sleeps until there is work; False once stopping with nothing left to run."""
@@ -275,40 +231,29 @@ class EngineDriver:
             return not self._stopping or self._has_unfinished()
 
     def _has_unfinished(self) -> bool:
-        return any(engine.has_unfinished() for engine in self.engines)
+        return self.replicas.has_unfinished()
 
-    def _recover(self, engine: Engine, error: Exception) -> None:
-        """After a step of `engine` raised (it has requeued every unfinished request): the requests it had
+    def _fail(self, failure: StepFailure) -> None:
+        """After a replica's step raised (it has requeued every unfinished request): the requests it had
         admitted fail and are aborted; the ones still waiting to start are served."""
-        logger.exception("an engine step failed: its requests get an error, the engine serves on")
-        admitted = [r.request_id for r in engine.scheduler.waiting if r.status is not RequestStatus.WAITING]
-        failed = list(dict.fromkeys(admitted))
-        for request_id in failed:
-            engine.abort(request_id)
+        error = failure.error
+        logger.error("an engine step failed: its requests get an error, the engine serves on", exc_info=error)
+        failed = self.replicas.abort_admitted(failure.replica)
         self._emit("failed", failed, f"an engine step failed: {type(error).__name__}: {error}")
 
 
 class Backend(Protocol):
     """Where the driver runs, as the front end sees it (EngineThread, EngineProcess)."""
 
-    num_replicas: int
-
     def start(self, deliver: Callable[[Event], None]) -> None:
         """Starts (on the event loop); the driver's events reach `deliver` on that loop."""
 
     def submit(
-        self,
-        replica: int,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        stream: bool,
-        stream_interval: int,
+        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
     ) -> Awaitable[object]:
         """Resolves once the engine took the request in; raises the ValueError / TypeError that refused it."""
 
-    def abort(self, replica: int, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None: ...
 
     @property
     def is_running(self) -> bool: ...
@@ -322,7 +267,6 @@ class EngineThread:
 
     def __init__(self, engines: Sequence[Engine]) -> None:
         self.driver = EngineDriver(engines, self._emit)
-        self.num_replicas = len(engines)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[Event], None] | None = None
         self._thread: threading.Thread | None = None
@@ -336,20 +280,13 @@ class EngineThread:
         self._thread.start()
 
     def submit(
-        self,
-        replica: int,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        stream: bool,
-        stream_interval: int,
+        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
     ) -> Awaitable[object]:
-        future = self.driver.submit(replica, prompt, params, request_id, stream=stream, stream_interval=stream_interval)
+        future = self.driver.submit(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
         return asyncio.wrap_future(future)
 
-    def abort(self, replica: int, request_id: str) -> None:
-        self.driver.abort(replica, request_id)
+    def abort(self, request_id: str) -> None:
+        self.driver.abort(request_id)
 
     @property
     def is_running(self) -> bool:
@@ -381,11 +318,7 @@ class AsyncEngine:
     def __init__(self, backend: Backend, metrics: ServerMetrics) -> None:
         self.backend = backend
         self.metrics = metrics
-        # Each request's group; the replica serving each unfinished request and its sequences; each
-        # replica's unfinished sequences (what `least_loaded` balances).
-        self._groups: dict[str, RequestGroup] = {}
-        self._owners: dict[str, tuple[int, int]] = {}
-        self._loads = [0] * backend.num_replicas
+        self._groups: dict[str, RequestGroup] = {}  # each request's group
         self._arrivals: dict[str, float] = {}  # request id -> time.monotonic() it arrived
         self._failed: set[str] = set()  # ids failed by a step error: their final output counts as "error"
         self._num_groups = 0  # open groups (read by wait_idle in another thread)
@@ -454,11 +387,8 @@ class AsyncEngine:
         for request, prompt in zip(ids, prompts, strict=True):
             self._groups[request] = group
             self._arrivals[request] = now
-            replica = least_loaded(self._loads)
-            self._owners[request] = (replica, params.n)
-            self._loads[replica] += params.n
             accepted.append(
-                self.backend.submit(replica, prompt, params, request, stream=stream, stream_interval=stream_interval)
+                self.backend.submit(prompt, params, request, stream=stream, stream_interval=stream_interval)
             )
         try:
             for index, done in enumerate(accepted):
@@ -476,21 +406,9 @@ class AsyncEngine:
     def _release(self, group: RequestGroup, unfinished: list[str]) -> None:
         for request_id in group.request_ids:
             self._groups.pop(request_id, None)
-        for request_id in unfinished:
-            replica = self._disown(request_id)
-            if replica is not None:  # else: it finished, its final output not read yet
-                self.backend.abort(replica, request_id)
+        for request_id in unfinished:  # one that finished, its final output not read yet, is not aborted
+            self.backend.abort(request_id)
         self._num_groups -= 1
-
-    def _disown(self, request_id: str) -> int | None:
-        """Forgets which replica serves the request (its sequences leave that replica's load); that replica,
-        None if the request was already forgotten."""
-        owner = self._owners.pop(request_id, None)
-        if owner is None:
-            return None
-        replica, sequences = owner
-        self._loads[replica] -= sequences
-        return replica
 
     # ---- the driver's events ---------------------------------------------------------------------
 
@@ -509,7 +427,6 @@ class AsyncEngine:
         self.metrics.observe_step(stats)
         for output in outputs:
             if output.finished:
-                self._disown(output.request_id)
                 reason = "error" if output.request_id in self._failed else None
                 self._failed.discard(output.request_id)
                 self.metrics.observe_finished(output, self._arrivals.pop(output.request_id, None), reason)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from jaxserve.sampling import RequestOutput
 
 if TYPE_CHECKING:
-    from jaxserve.server.frontend import ReplicaStats
+    from jaxserve.replicas import ReplicaStats
 
 # vLLM's buckets.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)

@@ -61,9 +61,10 @@ CHECK = textwrap.dedent(
 
     def idle():
         frontend = running[0].frontend
+        replicas = frontend.backend.driver.replicas  # where the server routes
         return frontend.wait_idle(60) and all(
             not e.has_unfinished() and e.block_manager.num_used_blocks == 0 for e in llm.engines
-        ) and frontend._loads == [0, 0] and not frontend._owners
+        ) and replicas.loads == [0, 0] and not replicas.routes
 
     # The openai client's response models build their pydantic schemas lazily on first use, and two threads
     # building one at once can read pydantic's placeholder (a race in the client library): one request from
