@@ -58,8 +58,8 @@ from step_profile import (  # noqa: E402
 )
 
 from jaxserve.models import registry  # noqa: E402
-from jaxserve.runner import enable_compilation_cache  # noqa: E402
 from jaxserve.sampling import SamplingParams  # noqa: E402
+from jaxserve.step_table import enable_compilation_cache  # noqa: E402
 
 
 def run_mode(runner: Any, work: Any, variant: Any, mode: str, calls: int) -> dict[str, float]:

@@ -27,15 +27,10 @@ from step_profile import SHAPES, VARIANTS, decode_workload, prefill_workload, wa
 
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.models import registry
-from jaxserve.runner import (
-    TRITON_GEMM_OPTION,
-    Runner,
-    RunnerSpec,
-    enable_compilation_cache,
-    forward_compiler_options,
-    resolve_backend,
-)
+from jaxserve.runner import Runner, resolve_backend
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams
+from jaxserve.step import RunnerSpec
+from jaxserve.step_table import TRITON_GEMM_OPTION, enable_compilation_cache, forward_compiler_options
 from jaxserve.variants import StepConfig
 
 OPTION_SETS = {

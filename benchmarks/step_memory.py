@@ -17,7 +17,8 @@ from common import SMOLLM2_135M
 from jaxserve.buckets import Bucket
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.models import registry
-from jaxserve.runner import Runner, RunnerSpec
+from jaxserve.runner import Runner
+from jaxserve.step import RunnerSpec
 from jaxserve.variants import StepConfig
 
 

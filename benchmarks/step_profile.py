@@ -67,10 +67,12 @@ from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.models import registry
 from jaxserve.models.common import ParamSpec
 from jaxserve.request import Request
-from jaxserve.runner import Runner, RunnerSpec, enable_compilation_cache, resolve_backend
+from jaxserve.runner import Runner, resolve_backend
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow
+from jaxserve.step import RunnerSpec
 from jaxserve.step_inputs import StepInputs, make_step_inputs
+from jaxserve.step_table import enable_compilation_cache
 from jaxserve.variants import SamplerMode, StepConfig, StepVariant
 
 SHAPES = {

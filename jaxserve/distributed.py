@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 
 from jaxserve import compat
 from jaxserve.buckets import Bucket
-from jaxserve.runner import Runner  # also registers StepInputs as a pytree
+from jaxserve.runner import Runner
 from jaxserve.step_inputs import StepInputs, padding_inputs
 from jaxserve.variants import StepConfig, StepVariant
 

@@ -1,10 +1,10 @@
 """The engine loop: schedule -> prepare -> run -> process outputs, with the host work of step N+1
 overlapped with the device work of step N.
 
-    batch = scheduler.schedule()                                  # host: who runs, how many tokens
-    inputs, bucket, variant = make_step_inputs(batch, previous, steps)  # host numpy, padded to a bucket
-    output = runner.run(inputs, bucket, variant)                  # device: one precompiled call, not awaited
-    scheduler.update(previous_batch, tokens); outputs.add_token(...)   # host: append, stop, free, detokenize
+    batch = scheduler.schedule()                                         # host: who runs, how many tokens
+    inputs, bucket, variant = make_step_inputs(batch, previous, steps, cache)  # host numpy, padded to a bucket
+    output = runner.run(inputs, bucket, variant)                         # device: one precompiled call, not awaited
+    scheduler.update(previous_batch, tokens); outputs.add_token(...)     # host: append, stop, free, detokenize
 
 Overlap (DESIGN.md): step N+1 is dispatched before step N's tokens are read; the tokens step N
 sampled stay on the device and the compiled step gathers them into step N+1's inputs. A request
@@ -46,18 +46,12 @@ from jaxserve.models.loader import load_from_pytree
 from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, make_requests
-from jaxserve.runner import (
-    Runner,
-    RunnerSpec,
-    StepOutput,
-    default_executable_store_dir,
-    enable_compilation_cache,
-    resolve_backend,
-    resolve_lazy,
-)
+from jaxserve.runner import Runner, resolve_backend
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
+from jaxserve.step import RunnerSpec, StepOutput
 from jaxserve.step_inputs import StepInputsCache, make_step_inputs
+from jaxserve.step_table import default_executable_store_dir, enable_compilation_cache, resolve_lazy
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.variants import StepConfig
 
@@ -107,6 +101,38 @@ class Engine:
         show_progress: bool = True,
     ) -> None:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, cfg.vocab_size
+        self._start_runner(family, cfg, weights, mesh, seed, show_progress)
+        config = self.config  # with max_batch_size lowered to what the pool holds when it was "auto"
+        kv = config.kv_cache
+        self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, decode_costs=self.runner.decode_costs)
+        self.outputs = OutputProcessor(tokenizer)
+        self._inputs_cache = StepInputsCache()  # what a step's inputs reuse from the step before
+        self.stats: collections.deque[StepStats] = collections.deque(maxlen=100_000)
+        self._in_flight: collections.deque[_InFlight] = collections.deque()  # oldest first; at most two
+        self._finished_outside_steps: list[str] = []
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stepping = False  # inside step(): an abort from a finaliser waits for the next one
+        self._ids = itertools.count()
+        self.asleep = False  # sleep() .. wake_up()
+        self.closed = False
+        shapes = list(dict.fromkeys((b.num_tokens, b.num_seqs) for b in self.buckets.buckets))
+        widths = [w * kv.block_size for w in self.buckets.kv_block_buckets]
+        logger.info(
+            "engine ready: backend=%s, dtype=%s, buckets=%s, attention widths below max_seq_len=%s",
+            self.runner.spec.backend,
+            np.dtype(self.runner.spec.dtype).name,
+            shapes,
+            widths,
+        )
+
+    def _start_runner(
+        self, family: ModelFamily, cfg: ModelConfig, weights: Any, mesh: Mesh | None, seed: int, show_progress: bool
+    ) -> None:
+        """The runner, its KV pool sized by the capacity probe (agreed by every process of a multi-process run),
+        and its step table compiled (or allowed lazily); sets steps, runner, kv_budget, warmup_seconds, and
+        config when its max_batch_size is "auto"."""
+        config = self.config
         backend = resolve_backend(config.attention_backend)
         self.steps = StepConfig.from_config(config, cfg.vocab_size, backend)
         if not config.compile.store_executables:  # the step store stands in for jax's cache
@@ -134,28 +160,6 @@ class Engine:
             self.runner.set_steps(self.steps)
         lazy = resolve_lazy(config.compile.lazy)
         self.warmup_seconds = self.runner.start(self.kv_budget.num_blocks, show_progress=show_progress, lazy=lazy)
-        kv = config.kv_cache
-        self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, decode_costs=self.runner.decode_costs)
-        self.outputs = OutputProcessor(tokenizer)
-        self._inputs_cache = StepInputsCache()  # what a step's inputs reuse from the step before
-        self.stats: collections.deque[StepStats] = collections.deque(maxlen=100_000)
-        self._in_flight: collections.deque[_InFlight] = collections.deque()  # oldest first; at most two
-        self._finished_outside_steps: list[str] = []
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._stepping = False  # inside step(): an abort from a finaliser waits for the next one
-        self._ids = itertools.count()
-        self.asleep = False  # sleep() .. wake_up()
-        self.closed = False
-        shapes = list(dict.fromkeys((b.num_tokens, b.num_seqs) for b in self.buckets.buckets))
-        widths = [w * kv.block_size for w in self.buckets.kv_block_buckets]
-        logger.info(
-            "engine ready: backend=%s, dtype=%s, buckets=%s, attention widths below max_seq_len=%s",
-            backend,
-            np.dtype(dtype).name,
-            shapes,
-            widths,
-        )
 
     @property
     def buckets(self) -> BucketTable:

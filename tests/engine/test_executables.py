@@ -177,7 +177,7 @@ def test_running_every_step_once_leaves_the_pool_and_the_tokens_alone(tiny_model
 
 def test_gpu_forwards_of_many_tokens_compile_with_cublas_gemms_only(monkeypatch):
     from jaxserve.buckets import Bucket
-    from jaxserve.runner import CUBLAS_MIN_TOKENS, TRITON_GEMM_OPTION, forward_compiler_options
+    from jaxserve.step_table import CUBLAS_MIN_TOKENS, TRITON_GEMM_OPTION, forward_compiler_options
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     large, small = Bucket(CUBLAS_MIN_TOKENS, CUBLAS_MIN_TOKENS, decode_only=True), Bucket(CUBLAS_MIN_TOKENS - 1, 8)
@@ -191,7 +191,7 @@ def test_gpu_forwards_of_many_tokens_compile_with_cublas_gemms_only(monkeypatch)
 
 
 def test_a_forward_compiles_with_its_options_and_the_store_keys_them(tmp_path, tiny_model, make_llm):
-    from jaxserve.runner import TRITON_GEMM_OPTION
+    from jaxserve.step_table import TRITON_GEMM_OPTION
 
     config = CompileConfig(
         decode_batch_sizes=(2,), token_buckets=(16,), penalty_variants=False, cache_dir=str(tmp_path), lazy=True

@@ -14,9 +14,9 @@ import pytest
 from jaxserve.buckets import Bucket
 from jaxserve.config import CompileConfig
 from jaxserve.dense import generate_dense
-from jaxserve.runner import resolve_lazy
 from jaxserve.sampling import SamplingParams
 from jaxserve.step_inputs import padding_inputs
+from jaxserve.step_table import resolve_lazy
 from jaxserve.variants import SamplerMode, StepVariant
 
 VOCAB = 160

@@ -18,7 +18,8 @@ CHECK = textwrap.dedent(
     from jaxserve import capacity
     from jaxserve.config import CompileConfig, EngineConfig
     from jaxserve.variants import StepConfig
-    from jaxserve.runner import Runner, RunnerSpec
+    from jaxserve.runner import Runner
+    from jaxserve.step import RunnerSpec
     from jaxserve.models import registry
     from jaxserve.sharding.mesh import make_mesh
     from jaxserve.sharding.rules import partition_spec

@@ -17,7 +17,8 @@ CHECK = textwrap.dedent(
     import json
     import jax, jax.numpy as jnp, numpy as np
     import transformers
-    from jaxserve.runner import Runner, RunnerSpec
+    from jaxserve.runner import Runner
+    from jaxserve.step import RunnerSpec
     from jaxserve.models import registry
     from jaxserve.models.attention import PagedAttentionMetadata, init_paged_cache, paged_cache_specs
     from jaxserve.sharding.mesh import make_mesh
