@@ -284,7 +284,7 @@ def cache_specs(spec: RunnerSpec, num_blocks: int) -> PagedKVCache:
 # On a GPU, forwards of at least this many tokens (the GEMMs' M) compile with XLA's Triton GEMMs off, so
 # cuBLAS runs them: as fast from there up, and a decode forward compiles several times quicker, Triton's
 # autotuning being most of a cold warmup's XLA time. Fewer rows keep XLA's choice: its Triton GEMMs are
-# faster there. `python benchmarks/gemm_options.py`; see docs/performance.md.
+# faster there. `python benchmarks/experiments/gemm_options.py`; see docs/performance.md.
 CUBLAS_MIN_TOKENS = 64
 TRITON_GEMM_OPTION = "xla_gpu_enable_triton_gemm"
 

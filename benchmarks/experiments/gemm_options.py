@@ -2,8 +2,8 @@
 against cuBLAS), with Triton GEMMs off (cuBLAS only, its algorithms autotuned) and with Triton GEMMs and
 autotuning off (cuBLAS's own heuristic choice), its compile time and its step time.
 
-    python benchmarks/gemm_options.py --decode 1,8,32,64,128,256,512,1024 --prefill 256,2048,8192
-    python benchmarks/gemm_options.py --shape tiny --decode 1,4 --prefill 32 --backend xla   # CPU check
+    python benchmarks/experiments/gemm_options.py --decode 1,8,32,64,128,256,512,1024 --prefill 256,2048,8192
+    python benchmarks/experiments/gemm_options.py --shape tiny --decode 1,4 --prefill 32 --backend xla   # CPU check
 
 The runner is built as benchmarks/step_profile.py builds it (an EngineConfig whose step table holds every
 size asked for, started lazily over a pool that holds the largest decode batch), with random --shape
@@ -20,6 +20,9 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: step_profile
 
 import jax
 import jax.numpy as jnp
