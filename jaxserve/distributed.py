@@ -11,9 +11,9 @@ the same inputs, so that the collectives inside the step meet. Only process 0 re
 process 0 closes its engine it sends "stop" and the followers return.
 
 The channel is the coordination service's key-value store (the gRPC service jax.distributed starts on
-process 0), not a device collective. Two processes on a 2-core CPU machine, 8 decode rows: sending a step
-took 2.4 ms (1 kB; 3.1 ms for 5 kB with the penalties' token history, B x max_seq_len int32) where
-`multihost_utils.broadcast_one_to_all` (a psum over the processes) of the same inputs took 11.8 ms (16.8).
+process 0), not a device collective: sending a step through it measured several times faster than
+`multihost_utils.broadcast_one_to_all` (a psum over the processes) of the same inputs
+(docs/log/2026-benchmarks.md, "Figures moved out of the code").
 
 A dead peer: a step in flight fails at once (the CPU collectives' connection is reset) and the engine
 refuses to go on; an idle process learns of it from the coordination service within the heartbeat

@@ -1,8 +1,8 @@
 """Compiled steps kept on disk, so that a restart loads them instead of tracing and compiling them again.
 
 jax's persistent compilation cache (turned on by the runner) skips XLA's compile, not the tracing and
-lowering that come before it and compute its key: for the 8B forward about a second each, holding the
-GIL, so a cached start of the default step table still took ~40 s. This store keeps each compiled
+lowering that come before it and compute its key, holding the GIL, so a cached start of a large step
+table still spends most of its time tracing (docs/performance.md, start-up). This store keeps each compiled
 executable (`jax.experimental.serialize_executable`) under a key made of everything that determines it:
 
 - the source of the jaxserve package (models, kernels and sharding included) that builds the step: any edit

@@ -3,9 +3,8 @@
 jax's CUDA plugin starts XLA's StreamExecutor client unless XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 asks for
 its TFRT client. The TFRT client hands each execution to a thread of its own (one per device), which
 updates the step's recorded CUDA graphs and launches them, so the engine's call of a compiled step returns
-sooner and the engine loop builds the next step while that thread launches this one. On one H200 (jax
-0.11.2, docs/benchmarks.md, nineteenth 8B run) it halved a step's dispatch (1024 decode rows: 2.7 -> 1.3-1.5
-ms; 32 rows: 1.75 -> 0.78 ms) with the same tokens and the same device step time.
+sooner and the engine loop builds the next step while that thread launches this one: about half the
+host time per dispatch, with the same tokens and the same device step time (docs/performance.md).
 
 jaxserve sets the variable as it sets the memory fraction (`capacity.raise_memory_fraction_default`): only
 when the user has not, only before jax starts a backend (the client is chosen then, once per process), and

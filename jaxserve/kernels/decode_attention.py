@@ -154,7 +154,7 @@ def _combine_kernel(o_part_ref, lse_ref, cu_ref, kv_lens_ref, ns_ref, *outs, p: 
     load of their partial outputs, issued together with the sequence's scalars, so it pays one memory
     round trip before its store (the split kernel writes every row's partials, zeros and -inf for rows
     that are not its own, so nothing waits on `live`; a loop over splits costs one round trip per
-    split: 31 us for 64 splits, docs/kernel_notes.md). More splits run chunks with an online rescale.
+    split, docs/kernels.md). More splits run chunks with an online rescale.
     """
     o_ref = outs[-1]
     b, head = pl.program_id(0), pl.program_id(1)

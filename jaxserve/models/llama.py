@@ -10,10 +10,9 @@ Two weight layouts:
   leading L axis. Loaders, `init_weights` and users' parameter trees speak it.
 - `ServingWeights` is what `forward` reads: one `ServingLayer` per decoder layer, each its own
   buffers, with q/k/v fused into one matrix and gate/up into another (`to_serving` converts).
-  Slicing a layer out of stacked arrays inside the step copies its weights every step (a scan over
-  stacked layers spent 6-7 ms of an 8B decode step in those copies), and one wide GEMM per fused
-  projection launches less and streams better than three or two narrow ones (docs/benchmarks.md,
-  "Layer layouts").
+  Slicing a layer out of stacked arrays inside the step copies its weights every step, and one wide
+  GEMM per fused projection launches less and streams better than three or two narrow ones
+  (docs/log/2026-benchmarks.md, "Layer layouts").
 
 Einsum letters: t tokens, d model dim (D), h query heads (H), k kv heads (K), g query heads per kv
 head (G = H / K) plus its key and value (G + 2), e head dim (Dh), f MLP hidden (F), c the gate/up pair,
