@@ -169,7 +169,7 @@ class EngineDriver:
     def idle(self) -> bool:
         """Asleep with nothing to do."""
         with self._cond:
-            return self._idle and not self._work and not self._has_unfinished()
+            return self._idle and not self._work and not self.replicas.has_unfinished()
 
     def run(self) -> None:
         try:
@@ -223,15 +223,12 @@ class EngineDriver:
     def _next_step(self) -> bool:
         """Sleeps until there is work; False once stopping with nothing left to run."""
         with self._cond:
-            while not (self._work or self._stopping or self._has_unfinished()):
+            while not (self._work or self._stopping or self.replicas.has_unfinished()):
                 self._idle = True
                 self._cond.wait()
             self._idle = False
             self._work = False
-            return not self._stopping or self._has_unfinished()
-
-    def _has_unfinished(self) -> bool:
-        return self.replicas.has_unfinished()
+            return not self._stopping or self.replicas.has_unfinished()
 
     def _fail(self, failure: StepFailure) -> None:
         """After a replica's step raised (it has requeued every unfinished request): the requests it had
