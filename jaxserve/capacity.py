@@ -2,7 +2,7 @@
 table), the memory profile the runner measures once the weights and the largest compiled step are in
 place (`Runner.profile`), and the resulting number of KV blocks (`kv_budget`).
 
-DESIGN.md "Runner lifecycle and KV capacity": on an accelerator,
+docs/architecture.md, "KV layout and capacity": on an accelerator,
     kv_bytes = (bytes_limit - bytes_in_use - activation_peak) * free_memory_fraction
 then capped by `KvCacheConfig.max_tokens` / `max_gpu_total_bytes`, and
     num_blocks = kv_bytes // bytes_per_block   (the smallest over the devices).

@@ -2,7 +2,7 @@
 
 Everything here is a pure function of device arrays that the runner compiles as the step's sampler,
 with no data-dependent shapes and no device-side conditional: a `lax.cond` makes the call that
-launches it wait for the device to reach the predicate (docs/benchmarks.md, "Third 8B run"), which
+launches it wait for the device to reach the predicate (docs/log/2026-benchmarks.md, "Third 8B run"), which
 would stall the host behind every sampling step. What a batch needs is chosen on the host instead,
 as the sampler mode (`SamplerMode`, part of `variants.StepVariant`):
 

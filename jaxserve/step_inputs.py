@@ -1,4 +1,4 @@
-"""The step's inputs: ScheduledBatch -> `StepInputs`, the flat token batch of DESIGN.md with the per-row
+"""The step's inputs: ScheduledBatch -> `StepInputs`, the flat token batch of docs/architecture.md with the per-row
 sampling arrays and the per-step extras, as numpy arrays padded to a bucket (jaxserve/buckets.py) for the
 variant the batch needs (jaxserve/variants.py).
 
@@ -130,7 +130,7 @@ class TokenHistory:
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     """Everything one compiled step receives besides the weights, the KV cache and the device state
-    (DESIGN.md "Flat token batch"): numpy on the host, the same type (a pytree) inside the step.
+    (docs/architecture.md, "One step"): numpy on the host, the same type (a pytree) inside the step.
 
     carried_mask / carried_source: row b's last input token is the previous step's sample of row
         carried_source[b] (overlap); the step writes it into token_ids[logits_indices[b]].

@@ -1,6 +1,6 @@
 """Pallas (Triton backend) kernels of jaxserve and their pure-jnp references.
 
-Public entry points (DESIGN.md, Kernels): `ragged_paged_attention`, `write_kv`, `rope_write_kv` (rope on
+Public entry points (docs/kernels.md): `ragged_paged_attention`, `write_kv`, `rope_write_kv` (rope on
 q and k and the K/V write, from a fused qkv projection) and `add_rms_norm`, each with a `*_reference` of the
 same signature that serves the `attention_backend="xla"` path and the tests.
 The paged forward on the pallas backend calls `rope_write_kv` in each layer without q/k norm and `add_rms_norm`

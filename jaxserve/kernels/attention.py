@@ -7,7 +7,7 @@ kernel (`decode_attention.py`) writes the rows of every one-token sequence in pl
 which is decided on the device, so there is no host sync or data-dependent branch. A caller that knows
 the batch is decode-only (`max_q_len=1`, as an engine's decode buckets do) skips the mixed launch: the
 decode launch then writes every row. (One fused launch was measured slower for decode: the decode
-programs then share the mixed tiles' registers and shared memory; docs/kernel_notes.md.)
+programs then share the mixed tiles' registers and shared memory; docs/kernels.md.)
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     **tuning: int | bool,
 ) -> Float[Array, "T H Dh"]:
-    """Causal attention of a flat ragged batch over a paged KV cache (DESIGN.md, Flat token batch).
+    """Causal attention of a flat ragged batch over a paged KV cache (docs/architecture.md, "One step").
 
     Query token t of sequence b sits at position kv_lens[b] - q_len[b] + (t - cu_q_lens[b]) and sees keys
     at positions <= its own (and > position - sliding_window); logits are sm_scale * q.k, soft-capped as

@@ -66,7 +66,7 @@ def check_max_q_len(max_q_len: int | None, shapes: AttentionShapes) -> None:
 
 
 def check_attention_inputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens, num_seqs) -> AttentionShapes:
-    """Validate the flat-batch attention inputs (DESIGN.md, Flat token batch) and return their sizes."""
+    """Validate the flat-batch attention inputs (docs/architecture.md, "One step") and return their sizes."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, H, Dh], got shape {q.shape}")
     if k_cache.ndim != 4:

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 # JAX 0.11+ warns on every lowering of a Triton-backend pallas_call for a GPU. The Mosaic GPU port is a
-# later goal (DESIGN.md, Kernels); until then this exact warning is expected and filtered, nothing else.
+# later goal (docs/kernels.md); until then this exact warning is expected and filtered, nothing else.
 TRITON_DEPRECATION = re.escape("The Pallas Triton backend is deprecated and will be removed in a future JAX version.")
 _IGNORE_TRITON_DEPRECATION = ("ignore", re.compile(TRITON_DEPRECATION, re.I), DeprecationWarning, None, 0)
 
@@ -61,7 +61,7 @@ class TileParams(Protocol):
 
 
 class AttentionInputs(NamedTuple):
-    """`ragged_paged_attention`'s arrays in its order (DESIGN.md, Flat token batch; num_seqs as [1]): a
+    """`ragged_paged_attention`'s arrays in its order (docs/architecture.md, "One step"; num_seqs as [1]): a
     launch's first inputs, and inside its kernel their refs (a pallas_call passes refs in argument order)."""
 
     q: Any

@@ -1,9 +1,9 @@
 """Pure-jnp references of the kernels: `ragged_paged_attention_reference`, `write_kv_reference` and
 `rope_write_kv_reference`.
 
-They have the kernels' signatures and semantics (DESIGN.md, Flat token batch and KV cache) and serve
-as the `attention_backend="xla"` path and as the tests' oracle. Attention is computed in float32 per
-query token over the whole block-table width of its sequence, masked to the causal (and window)
+They have the kernels' signatures and semantics (docs/architecture.md, "One step" and "KV layout and
+capacity") and serve as the `attention_backend="xla"` path and as the tests' oracle. Attention is
+computed in float32 per query token over the whole block-table width of its sequence, masked to the causal (and window)
 range; tokens are processed in chunks so the gathered keys stay within a fixed memory budget. The
 rope reference is the model's own code (`jaxserve.models.common.split_qkv` and `apply_rope`), so the kernel is
 held to what a layer computed before it existed.

@@ -1,7 +1,7 @@
 """Tile shapes of the attention kernels: the validated tiling records and the tuning tables.
 
 The tables map a shape class to the tiling the H200 benchmark (`benchmarks/attention.py`) chose;
-`docs/kernel_notes.md` records the sweep behind each entry. A caller's `**tuning` keywords override
+`docs/kernels.md` records the sweep behind each entry. A caller's `**tuning` keywords override
 single fields of the looked-up entry. Host-only: no jax import.
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 # The split count aims at about 512 programs (~4 per multiprocessor of the H200's 132): the per-kernel
-# device times at 1 x 16384, 16 x 1024 and 64 x 1024 were best or level there (docs/kernel_notes.md, v4).
+# device times at 1 x 16384, 16 x 1024 and 64 x 1024 were best or level there (docs/kernels.md, v4).
 _TARGET_PROGRAMS = 512
 
 

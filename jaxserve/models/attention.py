@@ -78,7 +78,7 @@ class PagedKVCache:
 )
 @dataclass(frozen=True, slots=True)
 class PagedAttentionMetadata:
-    """The flat token batch's attention inputs (DESIGN.md, Flat token batch).
+    """The flat token batch's attention inputs (docs/architecture.md, "One step").
 
     backend: "pallas" (the Triton kernels) or "xla" (their jnp references); static, so each
     compiled step is specialised to one.
