@@ -232,7 +232,7 @@ def _engine_main(
 
     try:
         with llm, gil.short_switch_interval():  # the loop, the commands and the sender thread share the GIL
-            driver = EngineDriver(llm.engines, emit)
+            driver = EngineDriver(llm.replicas, emit)
             emit("ready", ServedModel.of(llm))
             threading.Thread(
                 target=_serve_commands, args=(commands, driver, emit), name="jaxserve-commands", daemon=True

@@ -50,7 +50,7 @@ from jaxserve.sampling import RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from jaxserve.engine import Engine
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ class EngineDriver:
     request_ids, message) when a step failed and those requests were aborted, ("ended", message) when the
     loop ends on an error."""
 
-    def __init__(self, engines: Sequence[Engine], emit: Callable[..., None]) -> None:
-        self.replicas = ReplicaSet(engines)
+    def __init__(self, replicas: ReplicaSet, emit: Callable[..., None]) -> None:
+        self.replicas = replicas
         self._emit = emit
         self._cond = threading.Condition()
         # Guarded by _cond: work was submitted, the loop must stop, it sleeps.
@@ -260,10 +260,10 @@ class Backend(Protocol):
 
 
 class EngineThread:
-    """The driver in a thread of this process, over engines built here."""
+    """The driver in a thread of this process, over the replicas of an `LLM` built here."""
 
-    def __init__(self, engines: Sequence[Engine]) -> None:
-        self.driver = EngineDriver(engines, self._emit)
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.driver = EngineDriver(replicas, self._emit)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[Event], None] | None = None
         self._thread: threading.Thread | None = None
