@@ -40,8 +40,8 @@ class ServerConfig:
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """What the HTTP front end needs of the engine's model, without the engine (which may run in another
-    process): the tokenizer, the length limit and vocabulary, the compiled variants, the model's source
-    and the number of data-parallel replicas. Picklable."""
+    process): the tokenizer, the length limit and vocabulary, the compiled variants and the model's source.
+    Picklable."""
 
     tokenizer: Any
     max_seq_len: int
@@ -49,7 +49,6 @@ class ServedModel:
     prompt_logprob_variants: bool
     penalty_variants: bool
     source: str | None
-    num_replicas: int
 
     @classmethod
     def of(cls, llm: LLM) -> ServedModel:
@@ -61,5 +60,4 @@ class ServedModel:
             steps.prompt_logprob_variants,
             steps.penalty_variants,
             llm.model.source,
-            len(llm.engines),
         )
