@@ -202,7 +202,9 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
     runner = Runner(RunnerSpec(family, cfg, steps, jnp.dtype(args.dtype), backend, MAX_LOGPROBS), weights)
     num_blocks = 1 + args.batch * -(-(args.context + 1) // steps.buckets.block_size)
     seconds = runner.start(num_blocks, show_progress=False)
-    print(f"started: {runner.num_executables} executables compiled in {seconds:.1f} s, pool of {num_blocks} blocks")
+    print(
+        f"started: {runner.table.num_executables} executables compiled in {seconds:.1f} s, pool of {num_blocks} blocks"
+    )
     return runner
 
 
@@ -533,7 +535,7 @@ def profile_step(runner: Runner, work: Workload, variant: str, layers: str, args
     traced = traced_events(runner, work, step_variant, args.traced, log_dir)
     events, rule = device_events(traced, jax.default_backend())
     busy, span = busy_and_span_us(events)
-    forward, sampler = runner._executables(work.bucket, step_variant)
+    forward, sampler = runner.table.lookup(work.bucket, step_variant)
     hlo = hlo_counts(forward.as_text() + "\n" + sampler.as_text(), *args.weight_shapes)
     leading = {int(f.split(",")[0]) for f in args.weight_shapes[0] if f.count(",") == 1}
     if {work.bucket.num_tokens, work.bucket.num_seqs} & leading:

@@ -254,9 +254,9 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         load_s=load_s,
         init_s=init_s,
         warmup_s=sum(e.warmup_seconds for e in engines),
-        compiled_executables=sum(e.runner.num_executables for e in engines),
-        lowering_s=sum(e.runner.compile_seconds()[0] for e in engines),
-        xla_compile_s=sum(e.runner.compile_seconds()[1] for e in engines),
+        compiled_executables=sum(e.runner.table.num_executables for e in engines),
+        lowering_s=sum(e.runner.table.compile_seconds()[0] for e in engines),
+        xla_compile_s=sum(e.runner.table.compile_seconds()[1] for e in engines),
         gpu_client=gpu_client.active_client(llm.engine.runner.mesh.devices.flat[0].platform),
     )
 

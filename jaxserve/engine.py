@@ -230,7 +230,7 @@ class Engine:
         family, cfg = self.runner.spec.family, self.runner.spec.cfg
         weights = load_from_pytree(family, cfg, params, np.dtype(self.runner.spec.dtype).name, cast=False)
         self._refuse_while_busy("update_weights")
-        self.runner.update_weights(weights)
+        self.runner.weights.update(weights)
         self.block_manager.reset([])
 
     # ---- device memory between uses: sleep, wake_up, close -----------------------------------------
@@ -248,11 +248,7 @@ class Engine:
         if self.asleep:
             raise RuntimeError("the engine is already asleep: call wake_up() first")
         self._refuse_while_busy("sleep")
-        self.runner.release_kv()
-        if level == 1:
-            self.runner.offload_weights()
-        else:
-            self.runner.discard_weights()
+        self.runner.sleep(level)
         self.block_manager.reset([])
         self.asleep = True
 
@@ -262,9 +258,7 @@ class Engine:
         self._check_open("wake_up")
         if not self.asleep:
             raise RuntimeError("the engine is not asleep")
-        if self.runner.has_host_weights:
-            self.runner.reload_weights()
-        self.runner.restore_kv()
+        self.runner.wake_up()
         self.asleep = False
 
     def close(self) -> None:
@@ -294,7 +288,7 @@ class Engine:
             )
         if self.asleep:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
-        if not self.runner.has_weights:
+        if not self.runner.weights.on_device:
             raise RuntimeError("the engine has no weights since sleep(level=2): call update_weights(params)")
 
     def _refuse_while_busy(self, action: str) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
@@ -72,6 +73,20 @@ class ForwardOutput:
     greedy_logprobs: TokenLogprobs
     next_key: Array
     prompt_logprobs: TokenLogprobs | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class StepState:
+    """The device state one step hands the next: the tokens it sampled, padded to max_batch_size rows (zeros
+    before the first step), which the next forward gathers its carried tokens from, and the PRNG key."""
+
+    previous: Int[Array, " Bmax"]
+    key: Array
+
+    @staticmethod
+    def initial(max_batch_size: int, key: Array, sharding: jax.sharding.Sharding) -> StepState:
+        return StepState(jax.device_put(np.zeros(max_batch_size, np.int32), sharding), jax.device_put(key, sharding))
 
 
 @dataclass(frozen=True, slots=True)

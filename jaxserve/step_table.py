@@ -22,14 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Int
 
 from jaxserve.buckets import Bucket
 from jaxserve.executables import ExecutableStore
-from jaxserve.models.attention import PagedKVCache, paged_cache_specs
+from jaxserve.models.attention import PagedKVCache, init_paged_cache, paged_cache_specs
 from jaxserve.sharding.mesh import MODEL_AXIS
 from jaxserve.sharding.rules import named_shardings
-from jaxserve.step import ForwardKey, RunnerSpec, SamplerKey, describe, forward_fn, sampler_fn
+from jaxserve.step import ForwardKey, RunnerSpec, SamplerKey, StepState, describe, forward_fn, sampler_fn
 from jaxserve.step_inputs import padding_inputs
 from jaxserve.variants import SamplerMode, StepVariant
 
@@ -226,14 +225,13 @@ class StepTable:
 
     # ---- running the table on padding -----------------------------------------------------------
 
-    def run_each_once(
-        self, weights: Any, kv_cache: PagedKVCache, previous: Int[Array, " Bmax"], key: Array
-    ) -> tuple[float, PagedKVCache]:
+    def run_each_once(self, weights: Any, kv_cache: PagedKVCache, state: StepState) -> tuple[float, PagedKVCache]:
         """Runs every compiled forward and sampler once on all-padding inputs (their K/V go to the reserved
         block); returns the seconds taken and the pool (donated to each forward). An executable's first run on
         a GPU loads its kernels and resolves its constants, which would otherwise stall the first step of each
         shape the engine meets, as CUDA-graph capture does in other engines."""
         start, steps, ran = time.perf_counter(), self.spec.steps, set()
+        previous, key = state.previous, state.key
         for (bucket, prompt_logprobs), forward in self.forwards.items():
             inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), steps)
             out, kv_cache = forward(weights, kv_cache, replace(inputs, history=None), previous, key)
@@ -246,7 +244,7 @@ class StepTable:
         return time.perf_counter() - start, kv_cache
 
     def time_decode_steps(
-        self, weights: Any, kv_cache: PagedKVCache, previous: Int[Array, " Bmax"], key: Array, repeats: int = 3
+        self, weights: Any, kv_cache: PagedKVCache, state: StepState, repeats: int = 3
     ) -> tuple[dict[int, float], PagedKVCache]:
         """Seconds of each decode batch size's forward on all-padding rows, its narrowest block-table width (a
         padding row reads no K/V, so the width only adds launch work): the difference between 1 and 1 +
@@ -269,7 +267,7 @@ class StepTable:
                 jax.block_until_ready(kv_cache)
                 start = time.perf_counter()
                 for _ in range(count):
-                    _, kv_cache = forward(weights, kv_cache, inputs, previous, key)
+                    _, kv_cache = forward(weights, kv_cache, inputs, state.previous, state.key)
                 jax.block_until_ready(kv_cache)
                 seconds.append(time.perf_counter() - start)
             costs[rows] = max(seconds[1] - seconds[0], 0.0) / repeats
@@ -279,6 +277,13 @@ class StepTable:
 def cache_specs(spec: RunnerSpec, num_blocks: int) -> PagedKVCache:
     """The ParamSpecs of a KV pool of num_blocks blocks for the spec's model."""
     return paged_cache_specs(spec.cfg, num_blocks, spec.steps.buckets.block_size)
+
+
+def zero_cache(spec: RunnerSpec, mesh: Mesh, num_blocks: int) -> PagedKVCache:
+    """A zeroed KV pool of num_blocks blocks, allocated on the mesh in the rules table's layout."""
+    shardings = named_shardings(cache_specs(spec, num_blocks), mesh)
+    build = partial(init_paged_cache, spec.cfg, num_blocks, spec.steps.buckets.block_size, spec.dtype)
+    return jax.jit(build, out_shardings=shardings)()
 
 
 # On a GPU, forwards of at least this many tokens (the GEMMs' M) compile with XLA's Triton GEMMs off, so

@@ -7,7 +7,7 @@ autotuning off (cuBLAS's own heuristic choice), its compile time and its step ti
 
 The runner is built as benchmarks/step_profile.py builds it (an EngineConfig whose step table holds every
 size asked for, started lazily over a pool that holds the largest decode batch), with random --shape
-weights and the compilation caches off. Per size and option set: `runner.compile_forward` with those
+weights and the compilation caches off. Per size and option set: `runner.table.compile_forward` with those
 compiler options (seconds: tracing, lowering and XLA's compile of one executable, one at a time), then
 wall ms per step over --calls back-to-back `runner.run` calls of steady decode at --context tokens (the
 step_profile workload), or of a prefill of --context-token prompts filling the token bucket. The
@@ -88,16 +88,16 @@ def main() -> None:
     print(f"{'step':<28} {'engine uses':<14} {'options':<14} {'compile s':>9} {'ms/step':>8}")
     for work in works:
         if not variant.greedy_in_forward:
-            runner._samplers[(work.bucket.num_seqs, variant.sampler, variant.penalties)] = runner.compile_sampler(
-                work.bucket.num_seqs, variant.sampler, variant.penalties
+            runner.table.samplers[(work.bucket.num_seqs, variant.sampler, variant.penalties)] = (
+                runner.table.compile_sampler(work.bucket.num_seqs, variant.sampler, variant.penalties)
             )
         chosen = forward_compiler_options(platform, work.bucket)
         engine_uses = next((name for name, options in OPTION_SETS.items() if options == chosen), repr(chosen))
         for name in args.options.split(","):
             options = OPTION_SETS[name]
             start = time.perf_counter()
-            runner._forwards[(work.bucket, False)] = runner.compile_forward(
-                work.bucket, False, runner.num_blocks, compiler_options=options
+            runner.table.forwards[(work.bucket, False)] = runner.table.compile_forward(
+                work.bucket, False, runner.table.num_blocks, compiler_options=options
             )
             seconds = time.perf_counter() - start
             ms = wall_ms(runner, work, variant, args.calls)

@@ -78,7 +78,7 @@ def main() -> None:
         compile_config=CompileConfig(decode_batch_sizes=(8,), token_buckets=(256,), penalty_variants=False),
         show_progress=False,
     )
-    weights_bytes = nbytes(llm.engine.runner.weights)
+    weights_bytes = nbytes(llm.engine.runner.weights.arrays)
     pool_bytes = nbytes(llm.engine.runner.kv_cache)
     prompt = [list(range(1, 33))]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -95,7 +95,7 @@ def main() -> None:
             with PeakSampler(device) as sampler:
                 start = time.perf_counter()
                 llm.update_weights(params)
-                jax.block_until_ready(llm.engine.runner.weights)
+                jax.block_until_ready(llm.engine.runner.weights.arrays)
                 seconds = time.perf_counter() - start
             tokens = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
             if tokens != reference:

@@ -178,7 +178,10 @@ def test_time_decode_steps_measures_every_decode_size_and_leaves_the_engine_serv
     prompts = [[3 + i % 90 for i in range(40)], [7 + i % 80 for i in range(37)]]  # full blocks: cached
     params = SamplingParams(max_tokens=6, temperature=0.0)
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    costs = llm.engine.runner.time_decode_steps(repeats=2)
+    runner = llm.engine.runner
+    costs, runner.kv_cache = runner.table.time_decode_steps(
+        runner.weights.arrays, runner.kv_cache, runner.state, repeats=2
+    )
     assert sorted(costs) == [2, 4] and all(cost >= 0 for cost in costs.values())
     assert llm.engine.scheduler.decode_costs is None  # measured at start on a GPU only
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -242,15 +242,15 @@ def test_engine_sizes_its_pool_from_device_memory_and_a_probe_step(monkeypatch, 
     real_probe = capacity.peak_bytes_in_use
     monkeypatch.setattr(capacity, "device_memory", lambda device: (limit, in_use))
     monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: state["peak"])
-    from jaxserve.runner import Runner
+    from jaxserve import memory_probe
 
-    original = Runner.probe_step
+    original = memory_probe.probe_step
 
-    def probe_step(self, *args):
-        original(self, *args)  # really runs the step on its all-padding batch
+    def probe_step(*args):
+        original(*args)  # really runs the step on its all-padding batch
         state["peak"] = probe_peak
 
-    monkeypatch.setattr(Runner, "probe_step", probe_step)
+    monkeypatch.setattr(memory_probe, "probe_step", probe_step)
     with caplog.at_level(logging.INFO, logger="jaxserve"):
         llm = make_llm(tiny_model("llama"), max_seq_len=64)
     activation = 300 * MiB  # the probe's peak above what was in use: larger than the compiled temp here
@@ -271,6 +271,7 @@ def test_the_probe_pool_is_in_use_before_the_probe_step_not_counted_as_its_activ
     use is read, so the probe step's peak above that is the step's own. Faked statistics: in use = the live
     arrays' bytes; the peak = what is live when the forward is called (the pool among its arguments) plus
     the step's own scratch; the compiled memory analysis is left out (0)."""
+    from jaxserve import memory_probe
     from jaxserve.runner import Runner
 
     def live_bytes() -> int:
@@ -281,20 +282,20 @@ def test_the_probe_pool_is_in_use_before_the_probe_step_not_counted_as_its_activ
     monkeypatch.setattr(capacity, "device_memory", lambda device: (live_bytes() + 256 * MiB, live_bytes()))
     monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: state["peak"])
     monkeypatch.setattr(capacity, "activation_peak", lambda compiled: 0)
-    original_probe, original_profile, profiles = Runner.probe_step, Runner.profile, []
+    original_probe, original_profile, profiles = memory_probe.probe_step, Runner.profile, []
 
-    def probe_step(self, forward, sampler, *args):
+    def probe_step(forward, sampler, *args):
         def sampled(*forward_args):
             state["peak"] = live_bytes() + scratch
             return forward(*forward_args)
 
-        original_probe(self, sampled, sampler, *args)
+        original_probe(sampled, sampler, *args)
 
     def profile(self):
         profiles.append(original_profile(self))
         return profiles[-1]
 
-    monkeypatch.setattr(Runner, "probe_step", probe_step)
+    monkeypatch.setattr(memory_probe, "probe_step", probe_step)
     monkeypatch.setattr(Runner, "profile", profile)
     llm = make_llm(tiny_model("llama"), max_seq_len=4096)
     buckets = llm.engine.steps.buckets
@@ -307,20 +308,20 @@ def test_the_probe_pool_is_in_use_before_the_probe_step_not_counted_as_its_activ
 def test_the_probe_runs_the_prompt_logprobs_variant_when_it_is_compiled(monkeypatch, tiny_model, make_llm):
     """With prompt-logprobs variants the largest step also holds a slice of full-vocabulary logits: that
     variant (of the largest token bucket) is the one probed."""
+    from jaxserve import memory_probe
     from jaxserve.config import CompileConfig
-    from jaxserve.runner import Runner
     from jaxserve.variants import SamplerMode
 
     monkeypatch.setattr(capacity, "device_memory", lambda device: (4 * GB, GB))
     monkeypatch.setattr(capacity, "peak_bytes_in_use", lambda device: GB)
     probed = []
-    original = Runner.probe_step
+    original = memory_probe.probe_step
 
-    def probe_step(self, forward, sampler, bucket, variant, kv_cache):
+    def probe_step(forward, sampler, bucket, variant, *args):
         probed.append((bucket, variant))
-        original(self, forward, sampler, bucket, variant, kv_cache)
+        original(forward, sampler, bucket, variant, *args)
 
-    monkeypatch.setattr(Runner, "probe_step", probe_step)
+    monkeypatch.setattr(memory_probe, "probe_step", probe_step)
     config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(16,), penalty_variants=False, prompt_logprobs=True)
     make_llm(tiny_model("llama"), max_seq_len=64, max_num_tokens=16, compile_config=config)
     [(bucket, variant)] = probed
@@ -366,5 +367,5 @@ def test_an_auto_engine_lowers_max_batch_size_to_what_the_pool_holds(
     assert engine.config.max_batch_size == expected and not engine.config.auto_max_batch_size
     assert engine.buckets.max_batch_size == expected and engine.buckets.decode_batch_sizes[-1] == expected
     assert {b.num_seqs for b, _ in engine.runner.spec.steps.compiled_steps()} == {1, 256, expected}
-    assert engine.runner.lazy and engine.runner.num_executables == 0
-    assert engine.runner._previous.shape == (expected,)
+    assert engine.runner.table.lazy and engine.runner.table.num_executables == 0
+    assert engine.runner.state.previous.shape == (expected,)

@@ -327,8 +327,8 @@ def test_no_compiled_forward_copies_the_kv_pool(tiny_model, make_llm):
     flat_rows = pool.shape[0] * pool.shape[1] * pool.shape[2]  # the [L*N*Bs, K, Dh] view the write indexes
     shapes = {",".join(map(str, pool.shape)), ",".join(map(str, (flat_rows, *pool.shape[3:])))}
     copy = re.compile(r"= \w+\[([0-9,]+)\]\S* copy\(")
-    assert len(runner._forwards) >= 4
-    for (bucket, _), forward in runner._forwards.items():
+    assert len(runner.table.forwards) >= 4
+    for (bucket, _), forward in runner.table.forwards.items():
         copied = [m.group(1) for m in map(copy.search, forward.as_text().splitlines()) if m]
         assert not shapes & set(copied), f"T={bucket.num_tokens} B={bucket.num_seqs} copies the pool: {copied}"
 
@@ -352,9 +352,9 @@ def test_every_step_runs_a_step_compiled_at_start_from_one_enumeration(
 
     llm = make_llm(tiny_model("llama"), kv_tokens=256, compile_config=EVERY_VARIANT)
     runner, steps = llm.engine.runner, llm.engine.steps
-    assert runner.compiled_steps == steps.compiled_steps()
+    assert runner.table.compiled_steps == steps.compiled_steps()
     assert (
-        runner.num_executables == len(steps.forwards()) + len(steps.samplers()) == 5 + 1 * 3 * 2 - 1
+        runner.table.num_executables == len(steps.forwards()) + len(steps.samplers()) == 5 + 1 * 3 * 2 - 1
     )  # (decode 4, tokens 16, 32, 16 and 32 scoring); 4 rows x 3 modes x 2, but greedy without penalties
     original = Runner.run
     ran = record_runs()
@@ -399,7 +399,7 @@ def test_the_engine_dtype_casts_weights_given_in_another(tiny_model, char_tokeni
 
     for llm, dtype in ((cast, jax.numpy.bfloat16), (kept, jax.numpy.float32)):
         runner = llm.engine.runner
-        assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(runner.weights)} == {np.dtype(dtype)}
+        assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(runner.weights.arrays)} == {np.dtype(dtype)}
         assert runner.kv_cache.k.dtype == dtype and runner.kv_cache.v.dtype == dtype
         [out] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 4

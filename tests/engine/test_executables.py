@@ -116,10 +116,10 @@ def test_an_engine_built_again_loads_every_step_and_generates_the_same_tokens(tm
     for build in range(2):
         llm = make_llm(model, compile_config=config)
         store = llm.engine.runner.store
-        expected = (0, llm.engine.runner.num_executables)  # (hits, misses); on CPU no capacity probe compiles
+        expected = (0, llm.engine.runner.table.num_executables)  # (hits, misses); on CPU no capacity probe compiles
         assert (store.hits, store.misses) == (expected if build == 0 else expected[::-1])
         # Each executable compiled reports its tracing + lowering and its XLA compile; one loaded reports none.
-        timings = llm.engine.runner.compile_timings
+        timings = llm.engine.runner.table.compile_timings
         assert len(timings) == (expected[1] if build == 0 else 0)
         assert all(lowering > 0 and xla > 0 for lowering, xla in timings)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
@@ -167,7 +167,7 @@ def test_running_every_step_once_leaves_the_pool_and_the_tokens_alone(tiny_model
     runner = llm.engine.runner
     pool = jax.tree.map(lambda x: np.asarray(x)[:, 1:].copy(), runner.kv_cache)  # all but the reserved block
     assert any(np.abs(x).sum() > 0 for x in jax.tree.leaves(pool)), "the prompts should have filled blocks"
-    seconds = runner._run_each_once()
+    seconds, runner.kv_cache = runner.table.run_each_once(runner.weights.arrays, runner.kv_cache, runner.state)
     assert seconds > 0
     after_pool = jax.tree.map(lambda x: np.asarray(x)[:, 1:], runner.kv_cache)
     jax.tree.map(np.testing.assert_array_equal, after_pool, pool)
@@ -198,15 +198,16 @@ def test_a_forward_compiles_with_its_options_and_the_store_keys_them(tmp_path, t
     )
     llm = make_llm(tiny_model("llama"), compile_config=config)
     runner = llm.engine.runner
+    table = runner.table
     bucket, prompt_logprobs = min(llm.engine.steps.forwards(), key=lambda key: key[0].num_tokens)
     # The options reach XLA's compile: one it does not know fails there.
     with pytest.raises(Exception, match="xla_no_such_option"):
-        runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options={"xla_no_such_option": 1})
+        table.compile_forward(bucket, prompt_logprobs, table.num_blocks, compiler_options={"xla_no_such_option": 1})
     # Each set of options is its own executable in the store: a miss, then a hit; the default set another miss.
     options = {TRITON_GEMM_OPTION: False}
-    runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options=options)
-    runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks, compiler_options=options)
+    table.compile_forward(bucket, prompt_logprobs, table.num_blocks, compiler_options=options)
+    table.compile_forward(bucket, prompt_logprobs, table.num_blocks, compiler_options=options)
     assert (runner.store.misses, runner.store.hits) == (2, 1)
-    runner.compile_forward(bucket, prompt_logprobs, runner.num_blocks)
+    table.compile_forward(bucket, prompt_logprobs, table.num_blocks)
     assert (runner.store.misses, runner.store.hits) == (3, 1)
     llm.close()

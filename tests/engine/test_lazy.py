@@ -50,7 +50,7 @@ def test_a_lazy_engine_compiles_steps_on_first_use_and_narrow_steps_match_dense(
     llm = make_llm(model, kv_tokens=160, compile_config=NARROW)  # a pool small enough to preempt
     runner, steps = llm.engine.runner, llm.engine.steps
     assert steps.buckets.kv_block_buckets == (1, 2, 3)
-    assert runner.lazy and runner.num_executables == 0
+    assert runner.table.lazy and runner.table.num_executables == 0
     ran = record_runs()
     batch = prompts(seed=1)
 
@@ -63,14 +63,14 @@ def test_a_lazy_engine_compiles_steps_on_first_use_and_narrow_steps_match_dense(
     widths = {bucket.kv_blocks for bucket, _ in ran}
     assert widths == {1, 2, 3, None}, f"the workload was meant to run at every width, ran {widths}"
     assert set(ran) <= set(steps.compiled_steps())
-    compiled = set(runner.compiled_steps)
+    compiled = set(runner.table.compiled_steps)
     assert {(b, v) for b, v in ran} <= compiled and len(compiled) < len(steps.compiled_steps())
     first_uses = caplog.text.count("compiled on first use: forward")
-    assert first_uses == len(runner._forwards) == len({(b, v.prompt_logprobs) for b, v in ran})
-    assert not any(penalties for _, _, penalties in runner._samplers), "no request asked for a penalty"
+    assert first_uses == len(runner.table.forwards) == len({(b, v.prompt_logprobs) for b, v in ran})
+    assert not any(penalties for _, _, penalties in runner.table.samplers), "no request asked for a penalty"
 
     llm.generate([batch[2]], SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3), use_tqdm=False)
-    assert any(penalties for _, _, penalties in runner._samplers)
+    assert any(penalties for _, _, penalties in runner.table.samplers)
     assert_engine_idle(llm)
 
 
@@ -84,7 +84,7 @@ def test_a_lazy_engine_refuses_a_step_outside_its_table(tiny_model, make_llm):
     scoring = StepVariant(SamplerMode.GREEDY, prompt_logprobs=True)  # not compiled: prompt_logprobs=False
     with pytest.raises(RuntimeError, match="no compiled step"):
         runner.run(padding_inputs(Bucket(16, 4), scoring, steps), Bucket(16, 4), scoring)
-    assert runner.num_executables == 0
+    assert runner.table.num_executables == 0
 
 
 def test_an_eager_engine_compiles_every_width_of_its_table_at_start(tiny_model, make_llm):
@@ -93,9 +93,9 @@ def test_an_eager_engine_compiles_every_width_of_its_table_at_start(tiny_model, 
     )
     llm = make_llm(tiny_model("llama"), compile_config=config, max_num_tokens=16)
     runner, steps = llm.engine.runner, llm.engine.steps
-    assert not runner.lazy and len(steps.forwards()) == 4  # (decode 4, tokens 16) x (2 blocks, the full 8)
-    assert runner.num_executables == len(steps.forwards()) + len(steps.samplers())
-    assert runner.compiled_steps == steps.compiled_steps()
+    assert not runner.table.lazy and len(steps.forwards()) == 4  # (decode 4, tokens 16) x (2 blocks, the full 8)
+    assert runner.table.num_executables == len(steps.forwards()) + len(steps.samplers())
+    assert runner.table.compiled_steps == steps.compiled_steps()
 
 
 def test_lazily_compiled_steps_are_stored_and_loaded_by_the_next_engine(tmp_path, tiny_model, make_llm):
@@ -110,7 +110,7 @@ def test_lazily_compiled_steps_are_stored_and_loaded_by_the_next_engine(tmp_path
         llm = make_llm(model, compile_config=config)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)])
         store = llm.engine.runner.store
-        counts.append((store.hits, store.misses, llm.engine.runner.num_executables))
+        counts.append((store.hits, store.misses, llm.engine.runner.table.num_executables))
         llm.close()
     (hits0, misses0, compiled0), (hits1, misses1, compiled1) = counts
     assert tokens[0] == tokens[1]

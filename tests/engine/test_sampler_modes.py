@@ -79,7 +79,7 @@ def test_a_top_k_at_or_above_the_vocabulary_is_no_top_k(model_and_llm):
 def test_no_executable_branches_on_the_device(model_and_llm):
     """The mechanism: no compiled forward or sampler holds a conditional, so no call waits for the device."""
     runner = model_and_llm[1].engine.runner
-    executables = [*runner._forwards.values(), *runner._samplers.values()]
+    executables = [*runner.table.forwards.values(), *runner.table.samplers.values()]
     assert len(executables) == len(runner.spec.steps.forwards()) + len(runner.spec.steps.samplers())
     for compiled in executables:
         assert " conditional(" not in compiled.as_text()

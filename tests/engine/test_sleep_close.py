@@ -51,7 +51,7 @@ def model(tiny_model):
 
 def served_bytes(llm: LLM) -> int:
     runner = llm.engine.runner
-    return sum(x.nbytes for x in jax.tree.leaves((runner.weights, runner.kv_cache)))
+    return sum(x.nbytes for x in jax.tree.leaves((runner.weights.arrays, runner.kv_cache)))
 
 
 def test_sleep_level_1_frees_weights_and_pool_and_wake_up_gives_the_same_tokens(model, char_tokenizer):
@@ -75,7 +75,7 @@ def test_sleep_level_2_then_update_weights_serves_the_new_weights(model, char_to
     llm = LLM(model, tokenizer=char_tokenizer(), **ENGINE)
     tokens(llm)
     llm.sleep(2)
-    assert llm.engine.runner.weights is None and not llm.engine.runner.has_host_weights
+    assert llm.engine.runner.weights.arrays is None and not llm.engine.runner.weights.on_host
     new = model.family.init_weights(model.config, jax.random.key(7), jnp.float32)
     if update_first:
         llm.update_weights(new)

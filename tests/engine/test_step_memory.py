@@ -16,6 +16,7 @@ from jaxserve.buckets import Bucket
 from jaxserve.config import CompileConfig, EngineConfig
 from jaxserve.models.common import ParamSpec
 from jaxserve.runner import Runner, RunnerSpec  # RunnerSpec: re-exported by runner before and after its split
+from jaxserve.step_table import cache_specs
 from jaxserve.variants import StepConfig
 
 SMALL_POOL, LARGE_POOL = 512, 4096  # blocks: 4 MiB and 32 MiB of float32 K + V for the tiny Llama
@@ -35,14 +36,14 @@ def runner(tiny_model) -> Runner:
 
 
 def _pool_bytes(runner: Runner, num_blocks: int) -> int:
-    specs = jax.tree.leaves(runner.cache_specs(num_blocks), is_leaf=lambda x: isinstance(x, ParamSpec))
+    specs = jax.tree.leaves(cache_specs(runner.spec, num_blocks), is_leaf=lambda x: isinstance(x, ParamSpec))
     return sum(math.prod(spec.shape) * jnp.dtype(jnp.float32).itemsize for spec in specs)
 
 
 @pytest.mark.parametrize("bucket", [Bucket(4, 4, decode_only=True), Bucket(32, 4)], ids=["decode", "mixed"])
 def test_forward_updates_the_pool_in_place(runner: Runner, bucket: Bucket) -> None:
-    small = runner.compile_forward(bucket, False, SMALL_POOL).memory_analysis()
-    large = runner.compile_forward(bucket, False, LARGE_POOL).memory_analysis()
+    small = runner.table.compile_forward(bucket, False, SMALL_POOL).memory_analysis()
+    large = runner.table.compile_forward(bucket, False, LARGE_POOL).memory_analysis()
     for analysis, num_blocks in ((small, SMALL_POOL), (large, LARGE_POOL)):
         assert analysis.alias_size_in_bytes >= _pool_bytes(runner, num_blocks), "the pool is not donated in full"
     # Eight times the pool, the same temporaries: nothing of the pool's size is staged.

@@ -153,7 +153,7 @@ def test_processed_token_logprobs_follow_temperature_and_filters(processed_llm, 
             model, dense_logits, prompt, completion, lambda logits, p=params: processed_log_softmax(logits, p)
         )
     runner = processed_llm.engine.runner
-    for compiled in runner._samplers.values():
+    for compiled in runner.table.samplers.values():
         assert " conditional(" not in compiled.as_text()
 
 

@@ -119,10 +119,10 @@ def test_parameters_that_do_not_fit_are_refused_before_anything_changes(model_an
 
 def test_the_old_buffers_are_freed(model_and_llm):
     model, llm = model_and_llm
-    old = jax.tree.leaves(llm.engine.runner.weights)
+    old = jax.tree.leaves(llm.engine.runner.weights.arrays)
     llm.update_weights(model.family.init_weights(model.config, jax.random.key(51), jnp.float32))
     assert all(leaf.is_deleted() for leaf in old)
-    new = jax.tree.leaves(llm.engine.runner.weights)
+    new = jax.tree.leaves(llm.engine.runner.weights.arrays)
     assert [(x.shape, x.dtype, x.sharding) for x in new] == [(x.shape, x.dtype, x.sharding) for x in old]
 
 
@@ -145,7 +145,7 @@ def test_float32_parameters_into_a_bfloat16_llm_are_cast_layer_by_layer_compilin
         attention_backend="xla",
         show_progress=False,
     )
-    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(llm.engine.runner.weights))
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(llm.engine.runner.weights.arrays))
     batch = prompts(seed=6, count=2)
     before = tokens(llm, batch)
     other = family.init_weights(cfg, jax.random.key(61), jnp.float32)
@@ -160,4 +160,4 @@ def test_float32_parameters_into_a_bfloat16_llm_are_cast_layer_by_layer_compilin
         _counting[0] = False
     assert not _compiles, f"update_weights or the generate after it compiled: {_compiles}"
     assert changed != before and again == before
-    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(llm.engine.runner.weights))
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(llm.engine.runner.weights.arrays))

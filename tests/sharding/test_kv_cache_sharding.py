@@ -20,6 +20,7 @@ CHECK = textwrap.dedent(
     from jaxserve.variants import StepConfig
     from jaxserve.runner import Runner
     from jaxserve.step import RunnerSpec
+    from jaxserve.step_table import cache_specs
     from jaxserve.models import registry
     from jaxserve.sharding.mesh import make_mesh
     from jaxserve.sharding.rules import partition_spec
@@ -43,7 +44,7 @@ CHECK = textwrap.dedent(
             shard = k.addressable_shards[0].data
             results.append(dict(
                 kv_heads=num_kv_heads, tp=tp, spec=str(k.sharding.spec),
-                rules=str(partition_spec(runner.cache_specs(6).k, runner.mesh)),
+                rules=str(partition_spec(cache_specs(runner.spec, 6).k, runner.mesh)),
                 shard_kv_heads=shard.shape[3],
                 per_token=profile.kv_bytes_per_token,
                 shard_per_token=2 * shard.nbytes // (shard.shape[1] * shard.shape[2]),

@@ -90,25 +90,25 @@ CHECK = textwrap.dedent(
     )
     runner = llm.engine.runner
     serving = named_shardings(family.serving_specs(cfg), runner.mesh)
-    layouts = lambda: [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(runner.weights)]
-    expected = [(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(runner.weights), jax.tree.leaves(serving))]
+    layouts = lambda: [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(runner.weights.arrays)]
+    expected = [(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(runner.weights.arrays), jax.tree.leaves(serving))]
     peers = lambda mesh: [[d.id for d in row] for row in mesh.devices]  # rows: tensor-parallel peers
     results = dict(
         mesh=dict(runner.mesh.shape),
         tp_peers=peers(runner.mesh),
         serving_layout=layouts() == expected,
-        wqkv_spec=str(runner.weights.layers[0].wqkv.sharding.spec),
-        wqkv_devices=len(runner.weights.layers[0].wqkv.sharding.device_set),
+        wqkv_spec=str(runner.weights.arrays.layers[0].wqkv.sharding.spec),
+        wqkv_devices=len(runner.weights.arrays.layers[0].wqkv.sharding.device_set),
         kv_spec=str(runner.kv_cache.k.sharding.spec),
         first=tokens(llm) == references[0],
         tp_first_peers=peers(serving_mesh(Mesh(grid, ("tp", "fsdp")), {"model": "tp"})),
     )
-    executables = runner.num_executables
+    executables = runner.table.num_executables
     for name, weights, reference in (
         ("same_layout", trainer_layout(host[1], trainer, FSDP_TP), references[1]),
         ("other_layout", trainer_layout(host[2], reordered, TRANSPOSED), references[2]),
     ):
-        old = jax.tree.leaves(runner.weights)
+        old = jax.tree.leaves(runner.weights.arrays)
         compiles.clear()
         counting[0] = True
         version = llm.update_weights(weights)
@@ -120,7 +120,7 @@ CHECK = textwrap.dedent(
             tokens=tokens(llm) == reference,
             old_freed=all(x.is_deleted() for x in old),
             serving_layout=layouts() == expected,
-            executables=runner.num_executables == executables,
+            executables=runner.table.num_executables == executables,
         )
     print(json.dumps(results))
     """
