@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,8 @@ from jaxserve.variants import StepConfig
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
@@ -73,6 +75,19 @@ class StepStats:
     host_seconds: float  # input preparation + dispatch
     dispatch_seconds: float  # of which the runner's call of the compiled step
     launched_at: float  # time.perf_counter() when the step was dispatched
+
+
+@dataclass(frozen=True, slots=True)
+class StartedRunner:
+    """`start_runner`'s results. config: the engine's, with max_batch_size lowered to what the pool holds
+    when it was "auto"; steps: the step table's StepConfig for it; step_channel: set in a multi-process run."""
+
+    runner: Runner
+    config: EngineConfig
+    steps: StepConfig
+    kv_budget: capacity.KvBudget
+    warmup_seconds: float
+    step_channel: distributed.StepChannel | None
 
 
 @dataclass(slots=True)
@@ -100,9 +115,11 @@ class Engine:
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
-        self.config, self.tokenizer, self.vocab_size = config, tokenizer, cfg.vocab_size
-        self._start_runner(family, cfg, weights, mesh, seed, show_progress)
-        config = self.config  # with max_batch_size lowered to what the pool holds when it was "auto"
+        self.tokenizer, self.vocab_size = tokenizer, cfg.vocab_size
+        started = start_runner(family, cfg, weights, config, mesh, seed, show_progress)
+        self.runner, self.step_channel, self.kv_budget = started.runner, started.step_channel, started.kv_budget
+        self.config = config = started.config  # max_batch_size lowered to what the pool holds when it was "auto"
+        self.steps, self.warmup_seconds = started.steps, started.warmup_seconds
         kv = config.kv_cache
         self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, decode_costs=self.runner.decode_costs)
@@ -116,50 +133,7 @@ class Engine:
         self._ids = itertools.count()
         self.asleep = False  # sleep() .. wake_up()
         self.closed = False
-        shapes = list(dict.fromkeys((b.num_tokens, b.num_seqs) for b in self.buckets.buckets))
-        widths = [w * kv.block_size for w in self.buckets.kv_block_buckets]
-        logger.info(
-            "engine ready: backend=%s, dtype=%s, buckets=%s, attention widths below max_seq_len=%s",
-            self.runner.spec.backend,
-            np.dtype(self.runner.spec.dtype).name,
-            shapes,
-            widths,
-        )
-
-    def _start_runner(
-        self, family: ModelFamily, cfg: ModelConfig, weights: Any, mesh: Mesh | None, seed: int, show_progress: bool
-    ) -> None:
-        """The runner, its KV pool sized by the capacity probe (agreed by every process of a multi-process run),
-        and its step table compiled (or allowed lazily); sets steps, runner, kv_budget, warmup_seconds, and
-        config when its max_batch_size is "auto"."""
-        config = self.config
-        backend = resolve_backend(config.attention_backend)
-        self.steps = StepConfig.from_config(config, cfg.vocab_size, backend)
-        if not config.compile.store_executables:  # the step store stands in for jax's cache
-            enable_compilation_cache(config.compile.cache_dir)
-        dtype = model_dtype(config.dtype, weights)
-        threads = config.compile.compile_threads or default_compile_threads()
-        spec = RunnerSpec(
-            family, cfg, self.steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode
-        )
-        store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
-        # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends
-        # its steps, the others receive them (`LLM.follow`).
-        self.step_channel = distributed.StepChannel() if distributed.is_multiprocess() else None
-        channel = self.step_channel if distributed.is_leader() else None
-        self.runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store, channel=channel)
-        self.kv_budget = capacity.kv_budget(self.runner.profile(), config)
-        if distributed.is_multiprocess():
-            agreed = distributed.agree_on_num_blocks(self.kv_budget.num_blocks)
-            self.kv_budget = dataclasses.replace(
-                self.kv_budget, num_blocks=agreed, kv_bytes=agreed * self.kv_budget.bytes_per_block
-            )
-        if config.auto_max_batch_size:  # profiled at the upper bound: conservative for any smaller size
-            self.config = config = _with_max_batch_size(config, self.kv_budget, cfg.vocab_size)
-            self.steps = StepConfig.from_config(config, cfg.vocab_size, backend)
-            self.runner.set_steps(self.steps)
-        lazy = resolve_lazy(config.compile.lazy)
-        self.warmup_seconds = self.runner.start(self.kv_budget.num_blocks, show_progress=show_progress, lazy=lazy)
+        _log_ready(self.runner.spec, self.buckets)
 
     @property
     def buckets(self) -> BucketTable:
@@ -186,16 +160,7 @@ class Engine:
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
         params = _checked_params(params, self.steps, len(self.tokenizer.eos_token_ids))
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
-        else:
-            text, ids = None, list(prompt)
-        validate_prompt_token_ids(ids, self.vocab_size)
-        if params.prompt_logprobs_start and params.prompt_logprobs_start >= len(ids):
-            raise ValueError(
-                f"prompt_logprobs_start={params.prompt_logprobs_start} scores no position of a prompt of {len(ids)} "
-                "tokens: it must be below the prompt's length"
-            )
+        text, ids = _prompt_ids(prompt, params, self.tokenizer, self.vocab_size)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -226,7 +191,7 @@ class Engine:
         whole tree). Every cached prefix is dropped (its K/V came from the old weights). Refused while a
         request is unfinished: let them finish or abort them first."""
         self._check_open("update_weights")
-        self._check_one_process("update_weights")
+        _check_one_process("update_weights")
         family, cfg = self.runner.spec.family, self.runner.spec.cfg
         weights = load_from_pytree(family, cfg, params, np.dtype(self.runner.spec.dtype).name, cast=False)
         self._refuse_while_busy("update_weights")
@@ -244,7 +209,7 @@ class Engine:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level must be 1 (weights to host memory) or 2 (weights freed), got {level!r}")
         self._check_open("sleep")
-        self._check_one_process("sleep")
+        _check_one_process("sleep")
         if self.asleep:
             raise RuntimeError("the engine is already asleep: call wake_up() first")
         self._refuse_while_busy("sleep")
@@ -274,10 +239,6 @@ class Engine:
     def _check_open(self, action: str) -> None:
         if self.closed:
             raise RuntimeError(f"{action}: the engine is closed")
-
-    def _check_one_process(self, action: str) -> None:
-        if distributed.is_multiprocess():
-            raise RuntimeError(f"{action} is not supported in a run of {jax.process_count()} processes")
 
     def _check_serving(self) -> None:
         self._check_open("add_request")
@@ -314,17 +275,9 @@ class Engine:
     ) -> Future[str]:
         """Thread-safe `add_request`: applied at the engine's next step; the future holds the request id, or
         the error that refused the request. A future cancelled before that step adds nothing."""
-        future: Future[str] = Future()
-
-        def add() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(
-                        self.add_request(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
-                    )
-                except Exception as error:
-                    future.set_exception(error)
-
+        future, add = _deferred(
+            lambda: self.add_request(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
+        )
         self._inbox.put(add)
         return future
 
@@ -453,6 +406,39 @@ def _checked_params(params: SamplingParams | None, steps: StepConfig, num_eos_to
     return params
 
 
+def _prompt_ids(
+    prompt: str | list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """A prompt's text (None when given as token ids) and token ids, validated against the vocabulary and
+    the request's prompt_logprobs_start."""
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode(prompt) if prompt else []
+    else:
+        text, ids = None, list(prompt)
+    validate_prompt_token_ids(ids, vocab_size)
+    if params.prompt_logprobs_start and params.prompt_logprobs_start >= len(ids):
+        raise ValueError(
+            f"prompt_logprobs_start={params.prompt_logprobs_start} scores no position of a prompt of {len(ids)} "
+            "tokens: it must be below the prompt's length"
+        )
+    return text, ids
+
+
+def _deferred(call: Callable[[], T]) -> tuple[Future[T], Callable[[], None]]:
+    """A future for call's result (or its error), and what runs call and fills the future in, unless the
+    future was cancelled before."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(call())
+            except Exception as error:
+                future.set_exception(error)
+
+    return future, run
+
+
 def _failing_rows(batch: ScheduledBatch, previous: ScheduledBatch | None, steps: StepConfig) -> list[Request]:
     """The requests whose row's inputs cannot be built alone (all of the batch's, when none can)."""
 
@@ -482,6 +468,60 @@ def _step_stats(
         dispatch_seconds=time.perf_counter() - dispatch_start,
         launched_at=dispatch_start,
     )
+
+
+def start_runner(
+    family: ModelFamily,
+    cfg: ModelConfig,
+    weights: Any,
+    config: EngineConfig,
+    mesh: Mesh | None,
+    seed: int,
+    show_progress: bool,
+) -> StartedRunner:
+    """The runner, its KV pool sized by the capacity probe (agreed by every process of a multi-process run),
+    and its step table compiled (or allowed lazily)."""
+    backend = resolve_backend(config.attention_backend)
+    steps = StepConfig.from_config(config, cfg.vocab_size, backend)
+    if not config.compile.store_executables:  # the step store stands in for jax's cache
+        enable_compilation_cache(config.compile.cache_dir)
+    dtype = model_dtype(config.dtype, weights)
+    threads = config.compile.compile_threads or default_compile_threads()
+    spec = RunnerSpec(family, cfg, steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode)
+    store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
+    # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends
+    # its steps, the others receive them (`LLM.follow`).
+    step_channel = distributed.StepChannel() if distributed.is_multiprocess() else None
+    channel = step_channel if distributed.is_leader() else None
+    runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store, channel=channel)
+    kv_budget = capacity.kv_budget(runner.profile(), config)
+    if distributed.is_multiprocess():
+        agreed = distributed.agree_on_num_blocks(kv_budget.num_blocks)
+        kv_budget = dataclasses.replace(kv_budget, num_blocks=agreed, kv_bytes=agreed * kv_budget.bytes_per_block)
+    if config.auto_max_batch_size:  # profiled at the upper bound: conservative for any smaller size
+        config = _with_max_batch_size(config, kv_budget, cfg.vocab_size)
+        steps = StepConfig.from_config(config, cfg.vocab_size, backend)
+        runner.set_steps(steps)
+    lazy = resolve_lazy(config.compile.lazy)
+    warmup_seconds = runner.start(kv_budget.num_blocks, show_progress=show_progress, lazy=lazy)
+    return StartedRunner(runner, config, steps, kv_budget, warmup_seconds, step_channel)
+
+
+def _log_ready(spec: RunnerSpec, buckets: BucketTable) -> None:
+    shapes = list(dict.fromkeys((b.num_tokens, b.num_seqs) for b in buckets.buckets))
+    widths = [w * buckets.block_size for w in buckets.kv_block_buckets]
+    logger.info(
+        "engine ready: backend=%s, dtype=%s, buckets=%s, attention widths below max_seq_len=%s",
+        spec.backend,
+        np.dtype(spec.dtype).name,
+        shapes,
+        widths,
+    )
+
+
+def _check_one_process(action: str) -> None:
+    if distributed.is_multiprocess():
+        raise RuntimeError(f"{action} is not supported in a run of {jax.process_count()} processes")
 
 
 def default_compile_threads() -> int:
