@@ -6,7 +6,7 @@ overlapped with the device work of step N.
     output = runner.run(inputs, bucket, variant)                         # device: one precompiled call, not awaited
     scheduler.update(previous_batch, tokens); outputs.add_token(...)     # host: append, stop, free, detokenize
 
-Overlap (DESIGN.md): step N+1 is dispatched before step N's tokens are read; the tokens step N
+Overlap (docs/architecture.md): step N+1 is dispatched before step N's tokens are read; the tokens step N
 sampled stay on the device and the compiled step gathers them into step N+1's inputs. A request
 that finished at step N wastes at most one token of step N+1.
 

@@ -1,6 +1,6 @@
 """The capacity probe: bytes per KV token, and per device the memory left once the largest step of the table
 is compiled over a small probe pool and run once; `capacity.kv_budget` sizes the KV pool from it
-(DESIGN.md "Runner lifecycle and KV capacity")."""
+(docs/architecture.md, "KV layout and capacity")."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 one step hands the next, and runs a step: `run(inputs, bucket, variant) -> StepOutput` (device arrays, not
 awaited).
 
-Lifecycle (DESIGN.md "Runner lifecycle and KV capacity"):
+Lifecycle (docs/architecture.md, "KV layout and capacity"):
     runner = Runner(spec, weights, mesh)       # the serving layout of the weights, placed by jaxserve/sharding/rules.py
     profile = runner.profile()                  # the largest step compiled and run over a probe pool
     budget = capacity.kv_budget(profile, config)

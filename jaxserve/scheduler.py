@@ -9,7 +9,7 @@ Each step (`schedule`):
    whose next uncached prefix block a running request is computing waits (the requests behind it
    go on) until that block is cached, so prompts that share a prefix queued together (the choices of
    a multiple-choice question, a shared system prompt) compute it once, as a fork's samples do.
-The batch lists prefill chunks first, then decode rows (TensorRT-LLM's order, DESIGN "Flat token batch").
+The batch lists prefill chunks first, then decode rows (TensorRT-LLM's order; docs/architecture.md, "One step").
 
 Capacity policies (`config.CapacityPolicy`), after PyCapacityScheduler:
 - GUARANTEED_NO_EVICT admits a request only if the blocks for its whole life (prompt + max_tokens,
