@@ -136,6 +136,7 @@ def attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[Float[Array, "T H Dh"], DenseKVCache | PagedKVCache]:
     """Writes layer `layer`'s new K/V into the whole-model cache, then attends; the one dispatch on `meta`'s type.
 
@@ -145,10 +146,14 @@ def attention(
     if isinstance(meta, DenseAttentionMetadata) and isinstance(kv_cache, DenseKVCache):
         kv_cache = write_dense(kv_cache, layer, k, v, positions, meta)
         layer_cache = DenseKVCache(k=kv_cache.k[layer], v=kv_cache.v[layer])
-        out = dense_attention(q, layer_cache, positions, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+        out = dense_attention(
+            q, layer_cache, positions, meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
         return out, kv_cache
     if isinstance(meta, PagedAttentionMetadata) and isinstance(kv_cache, PagedKVCache):
-        return paged_attention(q, k, v, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+        return paged_attention(
+            q, k, v, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
     raise TypeError(
         f"no attention implementation for metadata {type(meta).__name__} with cache {type(kv_cache).__name__}"
     )
@@ -165,6 +170,7 @@ def rope_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[Float[Array, "T H Dh"], DenseKVCache | PagedKVCache]:
     """`attention` of a fused qkv projection's output (`common.split_qkv`'s layout) after rope on q and k.
 
@@ -173,11 +179,13 @@ def rope_attention(
     """
     if _runs_pallas(meta) and isinstance(kv_cache, PagedKVCache):
         return paged_rope_attention(
-            qkv, cos, sin, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window
+            qkv, cos, sin, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
         )
     q, k, v = split_qkv(qkv)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return attention(q, k, v, positions, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+    return attention(
+        q, k, v, positions, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
 
 
 def _runs_pallas(meta: DenseAttentionMetadata | PagedAttentionMetadata) -> bool:
@@ -215,6 +223,7 @@ def paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[Float[Array, "T H Dh"], PagedKVCache]:
     """Scatters the step's K/V into their slots, then ragged attention over the block tables."""
     if meta.backend == "pallas":
@@ -223,7 +232,7 @@ def paged_attention(
         write = kernels.write_kv_reference
     else:
         raise ValueError(f"attention backend must be 'pallas' or 'xla', got {meta.backend!r}")
-    attend = _attend(meta, sm_scale, sliding_window)
+    attend = _attend(meta, sm_scale, sliding_window, soft_cap)
 
     def write_and_attend(k_pool, v_pool, tables, q, k, v):
         k_pool, v_pool = write(k_pool, v_pool, k, v, tables[0])
@@ -246,13 +255,14 @@ def paged_rope_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[Float[Array, "T H Dh"], PagedKVCache]:
     """`paged_attention` of the fused projection's output on the pallas backend: one `rope_write_kv` launch
     (q, k and v sliced out, rope on q and k, the K/V write) then the attention kernel, where the unfused
     path runs four or five small XLA kernels and `write_kv`. q comes out in the cache's dtype."""
     if meta.backend != "pallas":
         raise ValueError(f"paged_rope_attention runs the pallas backend's kernels, got backend {meta.backend!r}")
-    attend = _attend(meta, sm_scale, sliding_window)
+    attend = _attend(meta, sm_scale, sliding_window, soft_cap)
 
     def rope_write_and_attend(k_pool, v_pool, tables, qkv, cos, sin):
         q, k_pool, v_pool = kernels.rope_write_kv(k_pool, v_pool, qkv, cos, sin, tables[0], interpret=meta.interpret)
@@ -266,9 +276,9 @@ def paged_rope_attention(
     return out.astype(qkv.dtype), cache
 
 
-def _attend(meta: PagedAttentionMetadata, sm_scale: float, sliding_window: int | None):
+def _attend(meta: PagedAttentionMetadata, sm_scale: float, sliding_window: int | None, soft_cap: float | None):
     """The backend's ragged attention with the step's static options bound."""
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, max_q_len=meta.max_q_len)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, max_q_len=meta.max_q_len)
     if meta.backend == "pallas":
         return partial(kernels.ragged_paged_attention, interpret=meta.interpret, **options)
     return partial(kernels.ragged_paged_attention_reference, **options)
@@ -339,8 +349,10 @@ def dense_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "T H Dh"]:
-    """Causal (optionally windowed) GQA attention of each token over its own sequence's cache row.
+    """Causal (optionally windowed) GQA attention of each token over its own sequence's cache row; logits
+    sm_scale * q.k, soft-capped as soft_cap * tanh(logit / soft_cap) when soft_cap is set (Gemma 2).
 
     Scores and softmax in float32 (a bfloat16 softmax loses the small probabilities); the
     probabilities are cast to the value dtype before the weighted sum, as Hugging Face does.
@@ -353,6 +365,8 @@ def dense_attention(
     # Query head h reads kv head h // group (Hugging Face's repeat_kv order).
     q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,tskd->tkgs", q_grouped, keys, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        scores = jnp.tanh(scores / soft_cap) * soft_cap
     key_pos = jnp.arange(keys.shape[1])[None, :]
     visible = key_pos <= positions[:, None]
     if sliding_window is not None:

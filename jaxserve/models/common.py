@@ -48,12 +48,14 @@ class CheckpointRule:
     path, e.g. "layers.wq". `transform`:
       - "linear": a torch Linear weight [out, in]; transposed to [in, out], then reshaped to the
         field's per-layer shape (e.g. [D, H*Dh] -> [D, H, Dh]);
-      - "reshape": reshaped to the field's per-layer shape (biases, norms, embeddings).
+      - "reshape": reshaped to the field's per-layer shape (biases, norms, embeddings);
+      - "skip": tensors the model does not read (a multimodal checkpoint's vision tower); `field` is "" and the
+        loader logs how many it skipped.
     """
 
     pattern: str
     field: str
-    transform: Literal["linear", "reshape"] = "reshape"
+    transform: Literal["linear", "reshape", "skip"] = "reshape"
 
 
 _KIND_NOUNS = {
@@ -390,6 +392,32 @@ def place(value: Any, sharding: Any, dtype: Any = None) -> Any:
     if isinstance(value, jax.Array):
         value = jnp.copy(value)  # device_put hands back the same array when it is already in place
     return jax.device_put(value, sharding)
+
+
+def serving_layers(
+    layers: Any, num_layers: int, fuse: Any, source: Any = None, replacing: tuple | None = None
+) -> tuple:
+    """Each layer of stacked [L, ...] checkpoint-layout weights (numpy or jax arrays) through `fuse` (a jitted
+    function to one serving layer), one layer at a time: host weights cross to the device layer by layer, and
+    the device holds the serving copy plus one layer of the source at most. `source`: shardings each layer is
+    first moved to (the checkpoint layout on the serving mesh, so `fuse` sees one input layout whatever the
+    trainer's); `replacing`: serving layers whose buffers are deleted as their replacements are built."""
+    on_device = all(isinstance(w, jax.Array) for w in jax.tree.leaves(layers))
+    out = []
+    for i in range(num_layers):
+        # Device arrays: one compiled slice of every weight per layer (slicing them one op at a time
+        # dispatches and compiles each op: a second at start on CPU); host arrays: numpy views.
+        layer = take_layer(layers, i) if on_device else jax.tree.map(lambda w, i=i: w[i], layers)
+        out.append(fuse(layer if source is None else jax.device_put(layer, source)))
+        if replacing is not None:
+            delete_arrays(replacing[i])
+    return tuple(out)
+
+
+@jax.jit
+def take_layer(layers: Any, i: Int[Array, ""]) -> Any:
+    """Layer i of stacked [L, ...] weights (i traced: one executable serves every layer)."""
+    return jax.tree.map(lambda w: w[i], layers)
 
 
 def delete_arrays(tree: Any) -> None:

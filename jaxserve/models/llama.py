@@ -43,8 +43,10 @@ from jaxserve.models.common import (
     place,
     rms_norm,
     rope_frequencies,
+    serving_layers,
     split_qkv,
 )
+from jaxserve.models.layers import LayerAttention
 from jaxserve.sharding.rules import layer_shardings
 
 # Hugging Face defaults for keys a config.json may omit, per model_type.
@@ -118,6 +120,12 @@ class LlamaConfig:
             raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None (full attention) or >= 1, got {self.sliding_window}")
+
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """Every layer alike: full attention, or Mistral's window on all of them."""
+        layer = LayerAttention(rope=self.rope, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
+        return (layer,) * self.num_layers
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
@@ -332,15 +340,9 @@ def to_serving(
         cfg, None if dtype is None else jnp.dtype(dtype), None if shardings is None else shardings.layers[0]
     )
     source = None if shardings is None else layer_shardings(param_specs(cfg).layers, shardings.layers[0].wqkv.mesh)
-    layers = []
-    on_device = all(isinstance(w, jax.Array) for w in jax.tree.leaves(weights.layers))
-    for i in range(cfg.num_layers):
-        # Device arrays: one compiled slice of every weight per layer (slicing them one op at a time
-        # dispatches and compiles each op: a second at start on CPU); host arrays: numpy views.
-        layer = _take_layer(weights.layers, i) if on_device else jax.tree.map(lambda w, i=i: w[i], weights.layers)
-        layers.append(fuse(layer if source is None else jax.device_put(layer, source)))
-        if replacing is not None:
-            delete_arrays(replacing.layers[i])
+    layers = serving_layers(
+        weights.layers, cfg.num_layers, fuse, source, None if replacing is None else replacing.layers
+    )
 
     def top(name: str) -> Any:
         value = getattr(weights, name)
@@ -349,13 +351,7 @@ def to_serving(
             delete_arrays(getattr(replacing, name))
         return placed
 
-    return ServingWeights(top("embed"), tuple(layers), top("final_norm"), top("lm_head"))
-
-
-@jax.jit
-def _take_layer(layers: LayerWeights, i: Int[Array, ""]) -> LayerWeights:
-    """Layer i of stacked [L, ...] weights (i traced: one executable serves every layer)."""
-    return jax.tree.map(lambda w: w[i], layers)
+    return ServingWeights(top("embed"), layers, top("final_norm"), top("lm_head"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -455,7 +451,8 @@ def attention_block(
     qkv = jnp.einsum("td,dkge->tkge", x, layer.wqkv)  # one GEMM for q, k and v
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
-    options = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+    spec = cfg.attention_layers[0]
+    options = dict(sm_scale=spec.sm_scale, sliding_window=spec.sliding_window)
     if layer.q_norm is None:
         out, kv_cache = rope_attention(qkv, cos, sin, positions, kv_cache, layer_index, attn_meta, **options)
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 ORBAX_PARAMS_DIR = "params"
 # Tensors some checkpoints carry that no model needs: rope tables are recomputed from the config.
+log = logging.getLogger(__name__)
 _HARMLESS_TENSORS = re.compile(r"(.*\.)?rotary_emb\.inv_freq")
 # A directory holds a tokenizer when it has one of these (generation_config.json alone is not one).
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -293,6 +295,8 @@ def _prepare_fields(family: ModelFamily, cfg: Any, np_dtype: Any) -> tuple[dict[
     rules = [(re.compile(r.pattern), r) for r in family.checkpoint_rules(cfg)]
     fields: dict[str, _Field] = {}
     for pattern, rule in rules:
+        if rule.transform == "skip":
+            continue
         if rule.field not in specs:
             raise ValueError(f"checkpoint rule {rule.pattern!r} names field {rule.field!r}, which the weights lack")
         spec = specs[rule.field]
@@ -307,13 +311,16 @@ def _prepare_fields(family: ModelFamily, cfg: Any, np_dtype: Any) -> tuple[dict[
     return fields, rules
 
 
-def _place(name: str, array: np.ndarray, fields: dict[str, _Field], rules: list) -> None:
+def _place(name: str, array: np.ndarray, fields: dict[str, _Field], rules: list) -> bool:
+    """Puts one tensor into its field; False when a "skip" rule says the model does not read it."""
     matched = _match(name, rules)
     if matched is None:
         if _HARMLESS_TENSORS.fullmatch(name):
-            return
+            return True
         raise ValueError(f"unknown tensor {name}: no checkpoint rule matches it")
     rule, index = matched
+    if rule.transform == "skip":
+        return False
     field = fields.get(rule.field)
     if field is None:
         raise ValueError(f"unexpected tensor {name}: field {rule.field} is absent in this model's config")
@@ -324,6 +331,7 @@ def _place(name: str, array: np.ndarray, fields: dict[str, _Field], rules: list)
         raise ValueError(f"duplicate tensor for field {rule.field} at {index}: {field.source[index]} and {name}")
     field.data[index] = _to_field_layout(name, np.asarray(array), rule, field.slot_shape)
     field.source[index] = name
+    return True
 
 
 def _check_complete(fields: dict[str, _Field]) -> None:
@@ -348,11 +356,18 @@ def _assemble(
 ) -> Any:
     fields, rules = _prepare_fields(family, cfg, np_dtype)
     seen: set[str] = set()
+    skipped = 0
     for name, array in tensors:
         if name in seen:
             raise ValueError(f"duplicate tensor {name}")
         seen.add(name)
-        _place(name, array, fields, rules)
+        skipped += not _place(name, array, fields, rules)
+    if skipped:
+        log.info(
+            "skipped %d tensors the %s model does not read (a multimodal checkpoint's vision tower)",
+            skipped,
+            family.__name__.rsplit(".", 1)[-1],
+        )
     _check_complete(fields)
     leaves = {}
     for path in list(fields):

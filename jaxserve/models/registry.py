@@ -14,9 +14,10 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 from jaxtyping import Array, Float, Int
 
-from jaxserve.models import llama
+from jaxserve.models import gemma, llama
 from jaxserve.models.attention import AttentionMetadata, KVCache
 from jaxserve.models.common import CheckpointRule, ConfigKey, check_config_keys
+from jaxserve.models.layers import LayerAttention
 
 
 class ModelConfig(Protocol):
@@ -27,6 +28,7 @@ class ModelConfig(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    attention_layers: tuple[LayerAttention, ...]  # each layer's window, rope, query scale, soft-cap
 
 
 @runtime_checkable
@@ -71,7 +73,7 @@ class ModelFamily(Protocol):
 
 # Each family module with its config class; the family's ARCHITECTURES maps the Hugging Face architectures
 # it runs to their model_type.
-_FAMILIES: tuple[tuple[ModelFamily, Any], ...] = ((llama, llama.LlamaConfig),)
+_FAMILIES: tuple[tuple[ModelFamily, Any], ...] = ((llama, llama.LlamaConfig), (gemma, gemma.GemmaConfig))
 # Architecture name -> (family module, its config class), and model_type -> architecture name.
 _ARCHITECTURES: dict[str, tuple[ModelFamily, Any]] = {
     name: (family, config_cls) for family, config_cls in _FAMILIES for name in family.ARCHITECTURES

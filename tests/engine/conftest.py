@@ -49,7 +49,30 @@ _HF_CONFIGS = {
     "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
     # A window shorter than most prompts, so the paged path must mask by position, not only by length.
     "mistral": (transformers.MistralConfig, {"sliding_window": 8}),
+    # Sliding and full layers with a window of 8, soft-caps that bind (Gemma 2); q/k norm, two ropes (Gemma 3).
+    "gemma2": (
+        transformers.Gemma2Config,
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 1.0,
+            "final_logit_softcapping": 2.0,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "rope_local_base_freq": 100.0,
+        },
+    ),
 }
+_ARCHITECTURE_NAMES = {"gemma3": "Gemma3ForCausalLM"}
 
 
 class CharTokenizer:
@@ -76,11 +99,12 @@ class CharTokenizer:
 
 
 def _tiny_model(model_type: str, seed: int = 0) -> LoadedModel:
-    """A tiny random Llama, Qwen3 (q/k norm) or Mistral (sliding window) with float32 weights, as
+    """A tiny random Llama, Qwen3 (q/k norm), Mistral (sliding window), Gemma 2 or Gemma 3 with float32 weights, as
     `load_model` would return it."""
     config_class, extra = _HF_CONFIGS[model_type]
-    config = config_class(**_TINY_HF, **extra)
-    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
+    config = config_class(**{**_TINY_HF, **extra})
+    default_name = config.__class__.__name__.replace("Config", "ForCausalLM")
+    config.architectures = [_ARCHITECTURE_NAMES.get(model_type, default_name)]
     hf = config.to_dict()
     family, cfg = registry.resolve(hf)
     weights = family.init_weights(cfg, jax.random.key(seed), jnp.float32)

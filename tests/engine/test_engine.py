@@ -55,6 +55,8 @@ BUCKETS = {
     ("qwen3", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
     ("qwen3", "no_evict"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
     ("mistral", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
+    ("gemma2", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
+    ("gemma3", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
 }
 
 
@@ -78,7 +80,7 @@ def new_stats(llm, before: int):
     return llm.step_stats[before:]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_greedy_matches_dense_with_preemption_chunking_and_prefix_hits(engines, model_type, assert_engine_idle):
     model, llm = engines(model_type, "max_utilization")
     prompts = mixed_prompts(seed=1)

@@ -46,12 +46,16 @@ _CONFIG_CLASSES = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "gemma": transformers.GemmaConfig,
+    "gemma2": transformers.Gemma2Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
 }
+_ARCHITECTURE_NAMES = {"gemma3_text": "Gemma3ForCausalLM"}
 
 
 def make_tiny_hf_config(family: str, **overrides: Any) -> dict:
     config = _CONFIG_CLASSES[family](**{**_TINY, **overrides})
-    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [_ARCHITECTURE_NAMES.get(family, config.__class__.__name__.replace("Config", "ForCausalLM"))]
     return config.to_dict()
 
 

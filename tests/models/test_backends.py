@@ -20,6 +20,18 @@ FAMILIES = {
     "llama3_tied": ("llama", {"tie_word_embeddings": True}),
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "qwen3_qk_norm": ("qwen3", {"head_dim": 32}),
+    # Soft-capped attention in both kernels, sliding and full layers.
+    "gemma2_caps": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 1.0,
+            "query_pre_attn_scalar": 16,
+            "final_logit_softcapping": 2.0,
+        },
+    ),
 }
 # Step 1: prompts of 20 (blocks 1, 2) and 9 tokens (block 3). Step 2: one decode token each.
 STEPS = [
@@ -72,7 +84,7 @@ def _run(name: str, backend: str, tiny_hf_config) -> tuple[list[np.ndarray], np.
 
 # The wiring differs between layers with and without q/k norm; windows, biases and tied embeddings do not
 # reach the fused kernels (each is interpret-compiled: ~35 s a family on a 2-core CPU).
-@pytest.mark.parametrize("name", ["mistral_window", "qwen3_qk_norm"])
+@pytest.mark.parametrize("name", ["mistral_window", "qwen3_qk_norm", "gemma2_caps"])
 def test_pallas_forward_matches_xla(name: str, tiny_hf_config) -> None:
     pallas_logits, pallas_k, pallas_v = _run(name, "pallas", tiny_hf_config)
     xla_logits, xla_k, xla_v = _run(name, "xla", tiny_hf_config)

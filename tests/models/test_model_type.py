@@ -17,7 +17,7 @@ import transformers
 
 from jaxserve.config import CompileConfig
 from jaxserve.llm import LLM
-from jaxserve.models import llama, registry
+from jaxserve.models import gemma, llama, registry
 from jaxserve.models.files import ModelFileError
 from jaxserve.models.loader import load_model, save_orbax
 from jaxserve.sampling import SamplingParams
@@ -35,7 +35,10 @@ ENGINE = dict(
     attention_backend="xla",
     show_progress=False,
 )
-SUPPORTED = r"supported architectures: LlamaForCausalLM, .*; supported model types: llama, mistral, qwen2, qwen3"
+SUPPORTED = (
+    r"supported architectures: Gemma2ForCausalLM, .*LlamaForCausalLM, .*; "
+    r"supported model types: gemma, gemma2, gemma3, gemma3_text, llama, mistral, qwen2, qwen3"
+)
 
 
 class IdTokenizer:
@@ -132,16 +135,17 @@ def test_unknown_model_type_is_an_error_naming_the_supported_ones(tmp_path, tiny
         registry.resolve({k: v for k, v in tiny_hf_config("llama").items() if k not in ("architectures", "model_type")})
     with pytest.raises(ValueError, match=f"unsupported architecture GPT2LMHeadModel; {SUPPORTED}"):
         registry.resolve({"architectures": ["GPT2LMHeadModel"], "model_type": "llama"})  # architectures decide
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma", "vocab_size": 8}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "vocab_size": 8}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ModelFileError, match=f"config.json: config has no 'architectures' .*'gemma'.*; {SUPPORTED}"):
+    with pytest.raises(ModelFileError, match=f"config.json: config has no 'architectures' .*'gpt_neox'.*; {SUPPORTED}"):
         load_model(tmp_path)
 
 
 def test_model_types_are_derived_from_the_familys_architectures():
-    assert registry.supported_model_types() == sorted(set(llama.ARCHITECTURES.values()))
-    assert registry.supported_architectures() == sorted(llama.ARCHITECTURES)
-    for architecture, model_type in llama.ARCHITECTURES.items():
+    architectures = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES}
+    assert registry.supported_model_types() == sorted(set(architectures.values()))
+    assert registry.supported_architectures() == sorted(architectures)
+    for architecture, model_type in architectures.items():
         hf = transformers.AutoConfig.for_model(model_type).to_dict()
         assert hf["model_type"] == model_type
         by_type = registry.resolve(hf)[1]

@@ -1,0 +1,276 @@
+"""The Gemma family (Gemma, Gemma 2, Gemma 3) against Hugging Face transformers in float32 on tiny random configs
+whose soft-caps bind, whose windows are shorter than the prompts and whose layers mix sliding and full
+attention: config parsing, checkpoint rules, each layer's attention block, whole-model logits through prefill
+and decode (dense and paged, both backends) and greedy generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxserve.dense import generate_dense
+from jaxserve.models import gemma
+from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+from jaxserve.models.common import RopeConfig, rope_frequencies
+from jaxserve.models.layers import layer_groups
+from jaxserve.models.registry import resolve
+
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
+
+MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
+# name -> (Hugging Face model_type, config overrides). Head dim 16, query_pre_attn_scalar 16 (scale 0.25):
+# attention logits of about 1, so a soft-cap of 1.0 binds; a final cap of 2.0 binds on logits of a few units.
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "gemma": ("gemma", {"head_dim": 16, "num_hidden_layers": 2}),
+    "gemma2_caps": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 1.0,
+            "final_logit_softcapping": 2.0,
+        },
+    ),
+    "gemma3_mixed": (
+        "gemma3_text",
+        {
+            "head_dim": 32,  # H * Dh = 128 differs from hidden 64
+            "num_hidden_layers": 3,
+            "layer_types": MIXED,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "final_logit_softcapping": 3.0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        },
+    ),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    hf_config: dict
+    model: torch.nn.Module
+    cfg: gemma.GemmaConfig
+    weights: gemma.GemmaWeights
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def case(request, tiny_hf_config, hf_model, weights_from_state_dict) -> Case:
+    model_type, overrides = FAMILIES[request.param]
+    hf_config = tiny_hf_config(model_type, **overrides)
+    model = hf_model(hf_config)
+    family, cfg = resolve(hf_config)
+    assert family is gemma
+    return Case(request.param, hf_config, model, cfg, weights_from_state_dict(gemma, cfg, model.state_dict()))
+
+
+def _assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
+    err = np.abs(np.asarray(ours, np.float64) - ref).max()
+    assert err <= 1e-4 * np.abs(ref).max(), f"max abs error {err} vs max |value| {np.abs(ref).max()}"
+
+
+# ---- Config ------------------------------------------------------------------------------------------------
+
+
+def test_config_declares_each_layers_attention(case: Case) -> None:
+    cfg, layers = case.cfg, case.cfg.attention_layers
+    assert len(layers) == cfg.num_layers
+    if case.name == "gemma":
+        assert {layer.kind for layer in layers} == {"full"} and layers[0].sm_scale == 16**-0.5
+        assert cfg.final_logit_soft_cap is None and not cfg.post_norms and not cfg.qk_norm
+    elif case.name == "gemma2_caps":
+        # Gemma 2's default pattern: sliding, full, sliding, ...; both soft-caps read.
+        assert [layer.kind for layer in layers] == ["sliding", "full", "sliding"]
+        assert {(layer.soft_cap, layer.sm_scale) for layer in layers} == {(1.0, 0.25)}
+        assert cfg.final_logit_soft_cap == 2.0 and layers[0].sliding_window == 8
+    else:
+        assert [layer.kind for layer in layers] == ["sliding", "full", "sliding"]
+        assert layers[1].rope == RopeConfig(theta=1e6, variant="linear", factor=4.0)
+        assert layers[0].rope == RopeConfig(theta=100.0)
+        assert {layer.soft_cap for layer in layers} == {None} and cfg.qk_norm and cfg.post_norms
+    assert layer_groups(layers) == {
+        w: tuple(i for i, layer in enumerate(layers) if layer.sliding_window == w)
+        for w in {layer.sliding_window for layer in layers}
+    }
+
+
+def test_gemma3_default_pattern_and_legacy_rope_keys() -> None:
+    hf = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window": 512,
+    }
+    _, cfg = resolve(hf)
+    kinds = [layer.kind for layer in cfg.attention_layers]
+    assert kinds == (["sliding"] * 5 + ["full"]) * 2  # every sixth layer full
+    assert cfg.attention_layers[5].rope == RopeConfig(theta=1e6, variant="linear", factor=8.0)
+    assert cfg.attention_layers[0].rope == RopeConfig(theta=1e4)
+    assert cfg.attention_layers[0].sm_scale == 256**-0.5 and cfg.head_dim == 256
+    # The multimodal checkpoint's config: the language model is text_config.
+    _, nested = resolve(
+        {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": hf}
+    )
+    assert nested == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_activation": "silu"}, r"hidden_activation must be one of .* got 'silu'"),
+        ({"layer_types": ["sliding_attention"]}, r"layer_types must have num_hidden_layers \(3\) entries, got 1"),
+        ({"layer_types": ["sliding_attention", "chunked", "full_attention"]}, r"layer_types entries must be one of"),
+        ({"sliding_window": 0}, r"sliding_window must be an int >= 1, got 0"),
+        ({"attn_logit_softcapping": -1.0}, r"attn_logit_softcapping must be a number > 0, got -1.0"),
+        ({"attention_bias": True}, r"attention_bias must be false"),
+        ({"use_bidirectional_attention": True}, r"use_bidirectional_attention must be false"),
+    ],
+)
+def test_bad_configs_name_the_key(overrides, message) -> None:
+    hf = {
+        "model_type": "gemma2",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        **overrides,
+    }
+    with pytest.raises(ValueError, match=message):
+        gemma.GemmaConfig.from_hf(hf)
+
+
+def test_multimodal_config_errors_name_the_text_config_key() -> None:
+    with pytest.raises(ValueError, match=r"needs 'text_config'"):
+        gemma.GemmaConfig.from_hf({"model_type": "gemma3"})
+    with pytest.raises(ValueError, match=r"^text_config\.sliding_window must be an int >= 1"):
+        gemma.GemmaConfig.from_hf(
+            {
+                "model_type": "gemma3",
+                "text_config": {
+                    "vocab_size": 64,
+                    "hidden_size": 32,
+                    "intermediate_size": 48,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 2,
+                    "sliding_window": "wide",
+                },
+            }
+        )
+
+
+# ---- Numerics against Hugging Face ----------------------------------------------------------------
+
+
+def test_checkpoint_rules_fill_every_field_from_exactly_the_hf_tensors(case: Case) -> None:
+    loaded = {rule.field for rule in gemma.checkpoint_rules(case.cfg) if rule.transform != "skip"}
+    paths = {
+        ".".join(k.name for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(gemma.param_specs(case.cfg))[0]
+    }
+    assert loaded == paths
+
+
+@pytest.mark.parametrize("layer_index", [0, 1])
+def test_attention_block_matches_hf(case: Case, layer_index: int) -> None:
+    num_tokens = 24  # longer than the window of 8
+    torch.manual_seed(3)
+    x = torch.randn(1, num_tokens, case.cfg.hidden_size)
+    positions = torch.arange(num_tokens)
+    spec = case.cfg.attention_layers[layer_index]
+    hf_model = case.model.model
+    visible = positions[None, :] <= positions[:, None]
+    if spec.sliding_window is not None:
+        visible &= positions[None, :] > positions[:, None] - spec.sliding_window
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[None, None]
+    rotary = hf_model.rotary_emb
+    kind = "sliding_attention" if spec.kind == "sliding" else "full_attention"
+    embeddings = rotary(x, positions[None], kind) if case.cfg.version == 3 else rotary(x, positions[None])
+    with torch.no_grad():
+        ref, _ = hf_model.layers[layer_index].self_attn(x, embeddings, mask)
+
+    layer = gemma.to_serving(case.weights, case.cfg).layers[layer_index]
+    cache = init_dense_cache(case.cfg, 1, num_tokens, jnp.float32)
+    cos, sin = rope_frequencies(spec.rope, case.cfg.head_dim, jnp.arange(num_tokens))
+    ours, _ = gemma.attention_block(
+        layer,
+        jnp.asarray(x[0].numpy()),
+        jnp.arange(num_tokens),
+        cos,
+        sin,
+        cache,
+        jnp.int32(layer_index),
+        DenseAttentionMetadata(jnp.zeros(num_tokens, jnp.int32)),
+        case.cfg,
+        spec,
+    )
+    _assert_close(np.asarray(ours), ref[0].numpy())
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _logits(weights, token_ids, positions, seq_ids, kv_cache, cfg):
+    weights = gemma.to_serving(weights, cfg)
+    hidden, kv_cache = gemma.forward(weights, token_ids, positions, kv_cache, DenseAttentionMetadata(seq_ids), cfg)
+    return gemma.compute_logits(weights, hidden, cfg), kv_cache
+
+
+def _hf_logits(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))[None]).logits[0].double().numpy()
+
+
+def test_prefill_then_decode_logits_match_hf(case: Case) -> None:
+    """Two sequences (24 and 17 tokens, windows of 8) prefilled in one flat batch, then 3 batched decode steps."""
+    rng = np.random.default_rng(4)
+    lengths, decode_steps = (24, 17), 3
+    sequences = [rng.integers(0, case.cfg.vocab_size, n + decode_steps).astype(np.int32) for n in lengths]
+    cache = init_dense_cache(case.cfg, 2, max(lengths) + decode_steps, jnp.float32)
+    tokens = np.concatenate([s[:n] for s, n in zip(sequences, lengths, strict=True)])
+    positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+    seq_ids = np.repeat([0, 1], lengths).astype(np.int32)
+    logits, cache = _logits(case.weights, tokens, positions, seq_ids, cache, case.cfg)
+    ours = [[np.asarray(logits)[: lengths[0]]], [np.asarray(logits)[lengths[0] :]]]
+    for step in range(decode_steps):
+        step_positions = np.array(lengths, np.int32) + step
+        step_tokens = np.array([s[p] for s, p in zip(sequences, step_positions, strict=True)], np.int32)
+        logits, cache = _logits(case.weights, step_tokens, step_positions, np.array([0, 1], np.int32), cache, case.cfg)
+        for b in range(2):
+            ours[b].append(np.asarray(logits)[b : b + 1])
+    for b, sequence in enumerate(sequences):
+        ref = _hf_logits(case.model, sequence)
+        _assert_close(np.concatenate(ours[b]), ref)
+        if case.cfg.final_logit_soft_cap is not None:  # the cap binds: logits come within 10% of it
+            assert np.abs(ref).max() > 0.9 * case.cfg.final_logit_soft_cap
+
+
+def test_greedy_generation_matches_hf_generate(case: Case) -> None:
+    rng = np.random.default_rng(5)
+    lengths = (5, 13)
+    prompts = [rng.integers(3, case.cfg.vocab_size, n).tolist() for n in lengths]
+    ours = generate_dense(gemma, case.cfg, case.weights, prompts, 32)
+    case.model.generation_config.eos_token_id = None  # 32 tokens whatever comes out
+    refs = []
+    for prompt in prompts:  # one at a time: no padding, so the windows see the same positions
+        with torch.no_grad():
+            out = case.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, pad_token_id=0)
+        refs.append(out[0, len(prompt) :].tolist())
+    assert ours == refs
