@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The engine figures of docs/performance.md on one NVIDIA GPU (H100 or H200), the Llama-3.1-8B shape with random
-# bf16 weights; each mode fits one 10-minute device call and starts with the card's ceilings (ceilings.py):
+# bf16 weights (MODEL=gemma-3-12b etc.: another shape of jaxserve/models/shapes.py for latency, throughput and
+# long); each mode fits one 10-minute device call and starts with the card's ceilings (ceilings.py):
 #   bash benchmarks/gpu_engine.sh ceilings    # copy TB/s and bf16 matmul TFLOP/s only
 #   bash benchmarks/gpu_engine.sh latency     # jaxserve bench latency, batch 1 / 8 / 32, 128/128
 #   bash benchmarks/gpu_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
@@ -13,12 +14,13 @@
 #                                             # --engine-thread; INTERVALS="8 1": one server each; NO_BENCH=1)
 #   bash benchmarks/gpu_engine.sh profile     # the decode step kernel by kernel against its floors (step_profile.py)
 #   bash benchmarks/gpu_engine.sh parity      # greedy tokens of the pallas and xla backends (backend_parity.py)
+#   bash benchmarks/gpu_engine.sh kernels     # the attention kernels against their reference (kernel_check.py)
 # `throughput` starts from an empty compile cache ($JAXSERVE_CACHE/xla removed) so its first run is the cold
 # warmup. Results: each bench's JSON in $OUT/NAME.json, its steps in $OUT/NAME.steps.jsonl summarised by
 # iteration_summary.py, full logs in $OUT/*.log; `profile` writes $OUT/profile_<name>.{txt,csv,log} and its
 # traces under $TRACES (default /tmp/step_profile_traces).
 set -u
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; mkdir -p "$OUT"; MODEL=${MODEL:-llama-3.1-8b}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD JAXSERVE_CACHE=${JAXSERVE_CACHE:-$HOME/.cache/jaxserve}
 profile_run() {  # profile_run NAME TIMEOUT ARGS...: one step_profile.py process, its table kept
   local name=$1 limit=$2; shift 2
@@ -48,18 +50,18 @@ case "${1:-}" in
     ;;
   latency)
     for b in 1 8 32; do
-      bench_run latency_b$b 170 latency --random-weights llama-3.1-8b --batch-size $b --input-len 128 --output-len 128 --num-iters 3
+      bench_run latency_b$b 170 latency --random-weights $MODEL --batch-size $b --input-len 128 --output-len 128 --num-iters 3
     done
     ;;
   throughput)
     rm -rf "$JAXSERVE_CACHE/xla"
-    T=(throughput --random-weights llama-3.1-8b --num-requests 1024 --input-len 128 --output-len 128)
+    T=(throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128)
     bench_run t1024_cold 240 "${T[@]}"
     bench_run t1024_cached 120 "${T[@]}"
     bench_run t1024_sampling 120 "${T[@]}" --temperature 0.8 --top-p 0.95 --top-k 50 --seed-per-request
     ;;
   long)
-    L=(throughput --random-weights llama-3.1-8b --max-seq-len 2176)
+    L=(throughput --random-weights $MODEL --max-seq-len 2176)
     bench_run t512_1000_1000 220 "${L[@]}" --num-requests 512 --input-len 1000 --output-len 1000
     bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
     bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
@@ -100,9 +102,10 @@ case "${1:-}" in
     [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256 120 "${B[@]}"
     [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256_c256 120 "${B[@]}" --max-concurrency 256  # the clients' closed loop
     ;;
+  kernels) timeout 300 python3 benchmarks/kernel_check.py ;;
   parity)  # SmolLM2-135M-Instruct, real weights (fetched into ~/.cache/jaxserve on first use), float32
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|admission|client|serve|profile|parity" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac

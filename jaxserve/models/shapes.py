@@ -64,8 +64,56 @@ TINY_LLAMA: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# google/gemma-3-12b-it's language model: 48 layers, five sliding (window 1024, local rope base 1e4) to one full
+# (rope base 1e6, linear scaling 8), head dim 256, tied 262k vocabulary.
+GEMMA_3_12B: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262208,
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+    "eos_token_id": 1,
+}
+
+# google/gemma-2-9b: 42 layers alternating sliding (window 4096) and full, attention soft-cap 50, final 30.
+GEMMA_2_9B: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 256000,
+    "hidden_size": 3584,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 1,
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": LLAMA_3_1_8B,
+    "gemma-3-12b": GEMMA_3_12B,
+    "gemma-2-9b": GEMMA_2_9B,
     "smollm2-135m": SMOLLM2_135M,
     "tiny-llama": TINY_LLAMA,
 }

@@ -274,3 +274,20 @@ def test_greedy_generation_matches_hf_generate(case: Case) -> None:
             out = case.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, pad_token_id=0)
         refs.append(out[0, len(prompt) :].tolist())
     assert ours == refs
+
+
+@pytest.mark.parametrize(("name", "billions"), [("gemma-3-12b", 11.77), ("gemma-2-9b", 9.24)])
+def test_random_weight_shapes_read_as_transformers_reads_them(name: str, billions: float) -> None:
+    import transformers
+
+    from jaxserve.models import shapes
+
+    hf = shapes.shape(name)
+    _, cfg = resolve(hf)
+    reference = transformers.AutoConfig.for_model(**hf)
+    assert [layer.kind + "_attention" for layer in cfg.attention_layers] == reference.layer_types
+    assert {layer.sliding_window for layer in cfg.attention_layers} == {None, reference.sliding_window}
+    assert cfg.attention_layers[0].sm_scale == reference.query_pre_attn_scalar**-0.5
+    specs = jax.eval_shape(lambda: gemma.init_weights(cfg, jax.random.key(0), jnp.bfloat16))
+    count = sum(np.prod(w.shape) for w in jax.tree.leaves(specs))
+    assert abs(count / 1e9 - billions) < 0.01, count  # the published parameter counts (language model)
