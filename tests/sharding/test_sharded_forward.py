@@ -28,14 +28,19 @@ CHECK = textwrap.dedent(
         "mistral": (transformers.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
         "qwen2": (transformers.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=1)),
         "qwen3": (transformers.Qwen3Config, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16)),
+        "gemma2": (transformers.Gemma2Config, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                   sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+        "gemma3": (transformers.Gemma3TextConfig, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                   sliding_window=8, sliding_window_pattern=2)),
     }
+    ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM"}
     assert jax.device_count() == 4, jax.devices()
     mesh = make_mesh(tp=4)
     results = {}
     for name, (config_class, extra) in CONFIGS.items():
         hf = config_class(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           max_position_embeddings=256, **extra)
-        hf.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
+        hf.architectures = [ARCHITECTURES.get(name, config_class.__name__.replace("Config", "ForCausalLM"))]
         family, cfg = registry.resolve(hf.to_dict())
         checkpoint = family.init_weights(cfg, jax.random.key(0), jnp.float32)
         weights = family.to_serving(checkpoint, cfg)
@@ -66,7 +71,7 @@ def sharded_results(run_with_host_devices) -> dict:
     return run_with_host_devices(CHECK, num_devices=4)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_tp4_logits_equal_single_device(sharded_results: dict, family: str):
     result = sharded_results[family]
     assert result["num_split"] > 0, "no weight was split over the model axis"

@@ -1,6 +1,7 @@
 """Tensor parallelism with the Pallas kernels: under a tp mesh each device runs write_kv and the ragged
 attention on its share of the heads (shard_map). A prefill step and a decode step of a sharded model,
-kernels in interpret mode, give the single-device xla backend's logits; the step lowers for CUDA with
+kernels in interpret mode, give the single-device xla backend's logits (Llama, and Gemma 2 with its window
+and soft-caps); the step lowers for CUDA with
 the Triton calls inside the shard_map; heads that do not divide by tp are refused with a clear error.
 
 jax fixes its device count when it starts, so the check runs in a fresh process with four host devices.
@@ -26,15 +27,12 @@ CHECK = textwrap.dedent(
 
     assert jax.device_count() == 4, jax.devices()
 
-    def model(num_heads, num_kv_heads):
-        hf = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                                      max_position_embeddings=256)
-        hf.architectures = ["LlamaForCausalLM"]
+    def model(num_heads, num_kv_heads, config_class=transformers.LlamaConfig, **extra):
+        hf = config_class(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                          max_position_embeddings=256, **extra)
+        hf.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
         return registry.resolve(hf.to_dict())
-
-    family, cfg = model(8, 4)
-    weights = family.init_weights(cfg, jax.random.key(0), jnp.float32)
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     rng = np.random.default_rng(0)
     # Step 1: prompts of 20 (blocks 1, 2) and 9 tokens (block 3). Step 2: one decode token each.
@@ -45,7 +43,7 @@ CHECK = textwrap.dedent(
              max_q_len=1),
     ]
 
-    def run(backend, mesh, interpret):
+    def run(family, cfg, weights, backend, mesh, interpret):
         w, cache = family.to_serving(weights, cfg), init_paged_cache(cfg, 8, 16, jnp.float32)
         if mesh is not None:
             w = family.to_serving(weights, cfg, named_shardings(family.serving_specs(cfg), mesh))
@@ -66,11 +64,19 @@ CHECK = textwrap.dedent(
             logits.append(np.asarray(out))
         return logits
 
-    reference = run("xla", None, False)
     results = {}
-    for tp in (2, 4):
-        sharded = run("pallas", make_mesh(tp=tp), True)
-        results[f"tp{tp}"] = [float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(sharded, reference)]
+    # Gemma 2: a sliding layer (window 8, shorter than the prompt) and a full one, soft-capped logits.
+    gemma2 = dict(config_class=transformers.Gemma2Config, head_dim=16, sliding_window=8, attn_logit_softcapping=1.0,
+                  query_pre_attn_scalar=16)
+    for name, extra in (("llama", {}), ("gemma2", gemma2)):
+        family, cfg = model(8, 4, **extra)
+        weights = family.init_weights(cfg, jax.random.key(0), jnp.float32)
+        reference = run(family, cfg, weights, "xla", None, False)
+        for tp in (2, 4):
+            sharded = run(family, cfg, weights, "pallas", make_mesh(tp=tp), True)
+            errors = [float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(sharded, reference)]
+            results[f"{name}_tp{tp}"] = errors
+    family, cfg = model(8, 4)
 
     # The same step lowered for CUDA (no GPU needed): the Triton kernels sit inside the shard_map body.
     # jax >= 0.11 lowers them only for a GPU the context mesh names: the mesh's axes on abstract H200s,
@@ -110,8 +116,9 @@ def results(run_with_host_devices) -> dict:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_pallas_under_tensor_parallelism_matches_single_device(results: dict, tp: int):
-    prefill_err, decode_err = results[f"tp{tp}"]
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_pallas_under_tensor_parallelism_matches_single_device(results: dict, family: str, tp: int):
+    prefill_err, decode_err = results[f"{family}_tp{tp}"]
     assert prefill_err < 1e-4 and decode_err < 1e-4, results
 
 
