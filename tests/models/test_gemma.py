@@ -5,6 +5,7 @@ and decode (dense and paged, both backends) and greedy generation."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import partial
 
@@ -291,3 +292,57 @@ def test_random_weight_shapes_read_as_transformers_reads_them(name: str, billion
     specs = jax.eval_shape(lambda: gemma.init_weights(cfg, jax.random.key(0), jnp.bfloat16))
     count = sum(np.prod(w.shape) for w in jax.tree.leaves(specs))
     assert abs(count / 1e9 - billions) < 0.01, count  # the published parameter counts (language model)
+
+
+@pytest.mark.parametrize("legacy_names", [False, True])
+def test_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog, legacy_names: bool) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint as save_pretrained writes it (and with the hub's earlier
+    `language_model.model.*` names): the language model loads, the vision tower is skipped with one log line,
+    and the logits of a text prompt equal transformers'."""
+    import logging
+
+    import safetensors.torch
+    import transformers
+
+    from jaxserve.models.loader import load_model
+
+    text = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        max_position_embeddings=256,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(0.2 * torch.randn_like(param) if "norm" in name else torch.randn_like(param) / 8)
+    model.save_pretrained(tmp_path)
+    if legacy_names:
+        tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        renamed = {re.sub(r"^model\.language_model\.", "language_model.model.", k): v for k, v in tensors.items()}
+        safetensors.torch.save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.loader"):
+        loaded = load_model(tmp_path, dtype="float32")
+    assert [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()] == [
+        f"skipped {sum('vision' in k or 'projector' in k for k in model.state_dict())} tensors the gemma model "
+        "does not read (a multimodal checkpoint's vision tower)"
+    ]
+    tokens = np.random.default_rng(0).integers(3, 160, 20).astype(np.int32)
+    cache = init_dense_cache(loaded.config, 1, 20, jnp.float32)
+    ours, _ = _logits(
+        loaded.weights, tokens, np.arange(20, dtype=np.int32), np.zeros(20, np.int32), cache, loaded.config
+    )
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(tokens.astype(np.int64))[None]).logits[0].double().numpy()
+    _assert_close(np.asarray(ours), ref)
