@@ -6,12 +6,20 @@ unchanged) and into a transformers fast tokenizer, and streams the tensors dequa
 under their Hugging Face names, so `jaxserve/models/loader.py` assembles them with the family's ordinary
 checkpoint rules.
 
-Two llama.cpp conventions are undone here:
+Three llama.cpp conventions are undone here:
   - ggml lists a tensor's dims fastest-moving first; `GGUFReader` already hands numpy arrays in
     row-major order, i.e. a Linear weight comes back as Hugging Face's [out, in];
   - for the "llama" architecture, `convert_hf_to_gguf.py` permutes the rows of q_proj and k_proj
     (per head, it interleaves the two rotary halves because llama.cpp's rope rotates adjacent
-    pairs); we permute them back so the Hugging Face (half-split) rope applies.
+    pairs); we permute them back so the Hugging Face (half-split) rope applies. It permutes no
+    other architecture's rows (Gemma's included);
+  - for Gemma (1, 2 and 3) it adds 1 to every RMSNorm weight (llama.cpp's norm multiplies by w, Hugging
+    Face's by 1 + w); we subtract it again.
+
+Gemma files keep less than a config.json says; what they leave out is what llama.cpp itself assumes
+(`llama-model.cpp`): the query scale head_dim ** -0.5 (hidden / heads for the 27B models), and for
+Gemma 3 the local rope base 10000 and every 6th layer full (sliding layers only when the file names a
+window). `_gemma_keys` supplies them as transformers' config keys.
 
 Llama 3.x files store their rope scaling as a `rope_freqs.weight` tensor of per-frequency divisors
 instead of metadata; we recover the "llama3" scaling parameters from it and check that they
@@ -46,6 +54,9 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses, e.g. Mistral).
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -64,6 +75,22 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 2 and 3 norm each block's input and output: llama.cpp's ffn_norm is then the pre-MLP norm, and the
+# norm after attention gets a tensor of its own (Gemma 1 is named as llama: post_attention_layernorm is
+# its pre-MLP norm).
+_POST_NORM_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {"gemma2": _LAYER_NAMES | _POST_NORM_NAMES, "gemma3": _LAYER_NAMES | _POST_NORM_NAMES}
+# Architectures whose norm weights llama.cpp's converter stores as 1 + w (its Gemma*Model.modify_tensors).
+_SHIFTED_NORM_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+# What llama.cpp assumes for Gemma 3 files (set_swa_pattern(6), rope_freq_base_train_swa = 10000), and the
+# layer counts of the Gemma 2 / Gemma 3 27B models, whose query scale is hidden / heads instead of head_dim.
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _ROPE_FREQS = "rope_freqs.weight"
 # The pretraining context and band limits every Llama 3.x conversion uses (convert_hf_to_gguf.py).
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -86,18 +113,21 @@ _TOKENIZER_KEYS = {
 _SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 # End-of-generation ids llama.cpp stops on besides eos (Llama 3's <|eot_id|>, <|eom_id|>).
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_GEMMA_END_OF_TURN = "<end_of_turn>"
 
 
 def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor, e.g. blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of an architecture, e.g. blk.3.attn_q.weight ->
+    model.layers.3.self_attn.q_proj.weight."""
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name):
         layer, part, kind = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif m := re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name):
         part, kind = m.groups()
         if part in _GLOBAL_NAMES:
@@ -169,16 +199,19 @@ class GGUFCheckpoint:
         """(Hugging Face name, float32 array), one tensor dequantised at a time."""
         from gguf.quants import dequantize
 
-        architecture = self.reader.fields["general.architecture"]
-        permuted = _field_value(architecture) in _PERMUTED_ARCHITECTURES
+        arch = _field_value(self.reader.fields["general.architecture"])
+        permuted = arch in _PERMUTED_ARCHITECTURES
+        shifted_norms = arch in _SHIFTED_NORM_ARCHITECTURES
         heads = {"q": self.hf_config["num_attention_heads"], "k": self.hf_config["num_key_value_heads"]}
         for tensor in self.reader.tensors:
             if tensor.name == _ROPE_FREQS:
                 continue  # already turned into hf_config["rope_scaling"]
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, arch)
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
             if permuted and (m := re.search(r"\.attn_([qk])\.", tensor.name)):
                 array = unpermute_rotary(array, heads[m.group(1)])
+            if shifted_norms and tensor.name.endswith("norm.weight"):
+                array = array - np.float32(1.0)
             yield name, array
 
 
@@ -245,14 +278,50 @@ def hf_config_from_metadata(
         "rope_theta": float(key("rope.freq_base", 10000.0, number=True)),
         # llama.cpp writes the output projection only when it is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
-        "hidden_act": "silu",
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
     }
+    if arch in _SHIFTED_NORM_ARCHITECTURES:
+        config |= _gemma_keys(metadata, arch, config, key)
+    else:
+        config["hidden_act"] = "silu"
     rope_scaling = _rope_scaling(metadata, arch, config, rope_divisors)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _gemma_keys(metadata: dict, arch: str, config: dict, key: Any) -> dict:
+    """The config keys of a Gemma file that the common ones leave out (see the module docstring)."""
+    head_dim = config["head_dim"]
+    value_length = key("attention.value_length", head_dim)
+    if value_length != head_dim:
+        raise ValueError(f"GGUF {arch}.attention.value_length ({value_length}) must equal key_length ({head_dim})")
+    keys: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma":
+        return keys
+    large = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    keys["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if large else head_dim
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is not None:
+        keys["sliding_window"] = key("attention.sliding_window")
+    final_cap = metadata.get(f"{arch}.final_logit_softcapping")
+    if arch == "gemma2":
+        # Gemma 2's converter always writes both soft-caps; llama.cpp defaults them (50, 30) as transformers does.
+        keys["attn_logit_softcapping"] = float(key("attn_logit_softcapping", 50.0, number=True))
+        keys["final_logit_softcapping"] = float(key("final_logit_softcapping", 30.0, number=True))
+        return keys
+    if final_cap is not None:
+        keys["final_logit_softcapping"] = float(key("final_logit_softcapping", number=True))
+    keys["rope_local_base_freq"] = float(key("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE, number=True))
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if window is None:  # the converter leaves the window out when no layer slides
+        keys["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    elif isinstance(pattern, list):  # one flag per layer, True where it slides
+        keys["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    else:
+        keys["sliding_window_pattern"] = key("attention.sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN)
+    return keys
 
 
 def _rope_scaling(metadata: dict, arch: str, config: dict, rope_divisors: np.ndarray | None) -> dict | None:
@@ -336,8 +405,12 @@ def gguf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:
         add_eos_token=metadata.get("tokenizer.ggml.add_eos_token", False),
         **{**extra, **special},
     )
-    eos_ids = tuple(dict.fromkeys(int(metadata[k]) for k in _EOS_KEYS if k in metadata))
-    return tokenizer, eos_ids
+    eos_ids = [int(metadata[k]) for k in _EOS_KEYS if k in metadata]
+    if metadata["general.architecture"] in _SHIFTED_NORM_ARCHITECTURES and _GEMMA_END_OF_TURN in tokens:
+        eos_ids.append(
+            tokens.index(_GEMMA_END_OF_TURN)
+        )  # Gemma converters write no eot id (llama.cpp finds it by text)
+    return tokenizer, tuple(dict.fromkeys(eos_ids))
 
 
 def _convert_gguf_tokenizer() -> Any:

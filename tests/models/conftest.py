@@ -7,7 +7,8 @@ Exposed as fixtures that return functions, so any test file under tests/models c
   - `weights_from_state_dict(family_module, cfg, state_dict) -> weights`: applies the family's
     `checkpoint_rules` strictly (an unknown, duplicate or missing tensor fails the test);
   - `write_gguf(path, arch, hf_config, tensors, qtype=None, *, token_scores=False) -> path`: a GGUF file
-    written with gguf's GGUFWriter the way llama.cpp's converter writes one.
+    written with gguf's GGUFWriter the way llama.cpp's converter writes one (llama: q/k rows permuted;
+    gemma, gemma2, gemma3: 1 added to every norm weight, Gemma's metadata keys).
 """
 
 from __future__ import annotations
@@ -152,16 +153,50 @@ _LAYER_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
+# Gemma 2 and 3 (gguf's tensor_mapping): ffn_norm is the pre-MLP norm, each block's output norm has its own name.
+_POST_NORM_PARTS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if hf_name in fixed or hf_name == "lm_head.weight":
         return fixed.get(hf_name, "output.weight")
     _, _, layer, rest = hf_name.split(".", 3)
     part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
+    parts = _LAYER_PARTS | _POST_NORM_PARTS if arch in ("gemma2", "gemma3") else _LAYER_PARTS
+    return f"blk.{layer}.{parts[part]}.{kind}"
+
+
+def _rope(config: dict) -> dict:
+    """The (full layers') rope of a config dict: `rope_parameters` (transformers 5) or rope_theta + rope_scaling."""
+    params = config.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    return params or {"rope_theta": config.get("rope_theta", 10000.0), **(config.get("rope_scaling") or {})}
+
+
+def _add_gemma_keys(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
+    """What convert_hf_to_gguf.py's Gemma*Model.set_gguf_parameters writes besides the common keys."""
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "gemma3" and config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config["sliding_window"])
+    rope = _rope(config)
+    if rope.get("rope_type", "default") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -176,7 +211,7 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 def make_gguf(
     path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None, *, token_scores: bool = False
 ) -> Path:
-    """A GGUF file of Hugging Face-named tensors as llama.cpp's converter writes it (q/k rows permuted for llama).
+    """A GGUF file of Hugging Face-named tensors as llama.cpp's converter writes it (see the module docstring).
     token_scores: also write a score per token, from which transformers can build the tokenizer."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config["num_hidden_layers"])
@@ -185,8 +220,10 @@ def make_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(_rope(config)["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch in _GEMMA_ARCHS:
+        _add_gemma_keys(writer, arch, config)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([chr(0x100 + i) for i in range(config["vocab_size"])])
     if token_scores:
@@ -197,10 +234,12 @@ def make_gguf(
         proj = name.split(".")[-2]
         if arch == "llama" and proj in heads:
             array = llama_cpp_permute(array, heads[proj])
+        if arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # llama.cpp's norm multiplies by w, Gemma's by 1 + w
         if qtype is not None and array.ndim == 2:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(gguf_name(name), array)
+            writer.add_tensor(gguf_name(name, arch), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

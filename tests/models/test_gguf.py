@@ -117,9 +117,10 @@ _SHAPES = {"token_embd.weight": (1000, 512)}
 
 def test_unsupported_architecture_is_named():
     with pytest.raises(
-        ValueError, match="GGUF architecture 'gemma2' is not supported; supported GGUF architectures: llama"
+        ValueError,
+        match="GGUF architecture 'falcon' is not supported; supported GGUF architectures: gemma, gemma2, gemma3, llama",
     ):
-        hf_config_from_metadata(_METADATA | {"general.architecture": "gemma2"}, _SHAPES)
+        hf_config_from_metadata(_METADATA | {"general.architecture": "falcon"}, _SHAPES)
 
 
 def test_rope_scaling_metadata():
