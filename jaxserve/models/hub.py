@@ -137,6 +137,8 @@ def resolve_model_source(name_or_path: str | os.PathLike) -> ResolvedSource:
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model directory")
         return ResolvedSource("gguf", path)
+    if name == DEFAULT_MODEL:
+        return ResolvedSource("gguf", default_model_path())
     if name in PACKAGED_MODELS:
         return ResolvedSource("gguf", packaged_model_path(name))
     if _HUB_ID.fullmatch(name) and not name.endswith(".gguf"):
