@@ -11,8 +11,9 @@ tokens' logprob arrays (`SamplingParams(token_logprobs=True)`).
         rollout_engine=partial(JaxserveRollout, max_batch_size=64),  # any LLM keyword
     )
 
-- The actor's parameters are served as they are: tunix's Llama3 models (the Hugging Face config is
-  derived from theirs), or another tunix model with the same parameter names when `hf_config` is given.
+- The actor's parameters are served as they are (`jaxserve.models.tunix_params` maps tunix's names to
+  our fields): tunix's Llama3, Gemma (Gemma and Gemma 2) and Gemma3 models, whose Hugging Face config is
+  derived from theirs, or another tunix model with the same parameter names (Qwen3) when `hf_config` is given.
   `update_params` (tunix's weight sync, after every step: `model()` is None, so tunix never takes the
   engine's weights for the actor's) merges what it receives into the last full set and calls
   `LLM.update_weights`: nothing is recompiled. LoRA parameters are refused (merge them first), and so
@@ -32,7 +33,7 @@ Needs google-tunix (`pip install -e ".[tunix]"`, Python >= 3.11).
 from __future__ import annotations
 
 import inspect
-import re
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,28 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tunix.models.gemma import model as gemma
+from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
 from tunix.rl.rollout import base_rollout
 
 from jaxserve.llm import LLM
+from jaxserve.models.tunix_params import to_jaxserve_params
 from jaxserve.sampling import SamplingParams
-
-# tunix's parameter names (as tunix's Llama3 / Qwen3 modules call them) -> our weights' fields.
-_TOP_FIELDS = {"embedder.input_embedding": "embed", "final_norm.w": "final_norm", "lm_head.w": "lm_head"}
-_LAYER_FIELDS = {
-    "input_layernorm.w": "attn_norm",
-    "attn.q_proj.w": "wq",
-    "attn.k_proj.w": "wk",
-    "attn.v_proj.w": "wv",
-    "attn.o_proj.w": "wo",
-    "attn.q_norm.w": "q_norm",
-    "attn.k_norm.w": "k_norm",
-    "post_attention_layernorm.w": "mlp_norm",
-    "mlp.gate_proj.kernel": "w_gate",
-    "mlp.up_proj.kernel": "w_up",
-    "mlp.down_proj.kernel": "w_down",
-}
-_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def flat_params(state: Any) -> dict[str, jax.Array]:
@@ -78,34 +65,6 @@ def flat_params(state: Any) -> dict[str, jax.Array]:
 
     walk(tree, "")
     return flat
-
-
-def to_jaxserve_params(flat: Mapping[str, jax.Array]) -> dict[str, Any]:
-    """tunix's parameter names -> our field-named tree (layers stacked [L, ...]: the per-layer layouts
-    are the same), with device arrays only: tunix syncs weights under a transfer guard.
-
-    Raises ValueError naming the parameter that has no place (LoRA parameters included)."""
-    top: dict[str, jax.Array] = {}
-    layers: dict[str, dict[int, jax.Array]] = {}
-    for name, value in flat.items():
-        if "lora" in name:
-            raise ValueError(f"LoRA parameter {name}: merge the adapters into the weights before serving them")
-        match = _LAYER_NAME.fullmatch(name)
-        if name in _TOP_FIELDS:
-            top[_TOP_FIELDS[name]] = value
-        elif match is not None and match.group(2) in _LAYER_FIELDS:
-            layers.setdefault(_LAYER_FIELDS[match.group(2)], {})[int(match.group(1))] = value
-        else:
-            raise ValueError(
-                f"tunix parameter {name} has no counterpart in jaxserve's weights "
-                f"(known: {sorted(_TOP_FIELDS)} and layers.N.{{{', '.join(sorted(_LAYER_FIELDS))}}})"
-            )
-    stacked = {}
-    for field, per_layer in layers.items():
-        if sorted(per_layer) != list(range(len(per_layer))):
-            raise ValueError(f"layers of {field}: got indices {sorted(per_layer)}, expected 0..{len(per_layer) - 1}")
-        stacked[field] = jnp.stack([per_layer[i] for i in range(len(per_layer))])
-    return {**top, "layers": stacked}
 
 
 def llama3_hf_config(config: llama3.ModelConfig, max_position_embeddings: int) -> dict[str, Any]:
@@ -130,6 +89,100 @@ def llama3_hf_config(config: llama3.ModelConfig, max_position_embeddings: int) -
         "tie_word_embeddings": config.weight_tying,
         "max_position_embeddings": max_position_embeddings,
     }
+
+
+# tunix's Gemma norms add this epsilon (a literal in their RMSNorm, google-tunix 0.1.7).
+_GEMMA_NORM_EPS = 1e-6
+_GEMMA_LAYER_TYPES = {"GLOBAL": "full_attention", "LOCAL_SLIDING": "sliding_attention"}
+
+
+def _gemma_common(config: Any, kinds: list[str], max_position_embeddings: int) -> dict[str, Any]:
+    """The keys every Gemma version's Hugging Face config shares, from a tunix Gemma or Gemma3 config."""
+    hf = {
+        "vocab_size": config.num_embed,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": _GEMMA_NORM_EPS,
+        "hidden_activation": "gelu_pytorch_tanh",  # nnx.gelu: the tanh approximation
+        "tie_word_embeddings": True,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    if "sliding_attention" in kinds:
+        hf["sliding_window"] = config.sliding_window_size
+    return hf
+
+
+def gemma_hf_config(config: gemma.ModelConfig, max_position_embeddings: int) -> dict[str, Any]:
+    """The Hugging Face config of the model a tunix Gemma computes: a Gemma when it has no post norms,
+    soft-caps or sliding layers, a Gemma 2 when it has both post norms and both soft-caps (its layer kinds
+    from `attention_types`).
+
+    tunix scales the queries by head_dim ** -0.5 and rotates them with `apply_rope`'s default base whatever
+    the version, so a Gemma 2's query_pre_attn_scalar is head_dim and its rope_theta that default."""
+    kinds = [_GEMMA_LAYER_TYPES[t.name] for t in itertools.islice(config.attention_types, config.num_layers)]
+    caps = {
+        "attn_logit_softcapping": config.attn_logits_soft_cap,
+        "final_logit_softcapping": config.final_logit_softcap,
+    }
+    post_norms = (config.use_post_attn_norm, config.use_post_ffw_norm)
+    hf = {
+        **_gemma_common(config, kinds, max_position_embeddings),
+        "rope_theta": float(inspect.signature(gemma.apply_rope).parameters["max_wavelength"].default),
+    }
+    if post_norms == (False, False) and set(kinds) == {"full_attention"} and all(c is None for c in caps.values()):
+        return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", **hf}
+    if post_norms == (True, True) and all(c is not None for c in caps.values()):
+        extra = {"query_pre_attn_scalar": config.head_dim, "layer_types": kinds, **caps}
+        return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **hf, **extra}
+    raise ValueError(
+        f"a tunix Gemma with use_post_attn_norm={post_norms[0]}, use_post_ffw_norm={post_norms[1]}, "
+        f"attn_logits_soft_cap={caps['attn_logit_softcapping']}, final_logit_softcap={caps['final_logit_softcapping']} "
+        f"and {sorted(set(kinds))} layers is neither a Gemma (no post norms, soft-caps or sliding layers) nor a "
+        "Gemma 2 (both post norms and both soft-caps; jaxserve's Gemma 2 config reads an absent soft-cap as "
+        "transformers' default)"
+    )
+
+
+def gemma3_hf_config(config: gemma3.ModelConfig, max_position_embeddings: int) -> dict[str, Any]:
+    """The Hugging Face config of the language model a tunix Gemma3 computes (a multimodal one's vision side
+    is not served): sliding layers in tunix's fixed pattern (`GEMMA3_ATTENTION_PATTERN`, repeated), full
+    layers rotated with the global base scaled linearly by `global_scale_factor`, sliding layers with the
+    local base; the query scale `query_pre_attn_norm` says; no soft-caps."""
+    if config.local_scale_factor != 1.0:
+        raise ValueError(
+            f"tunix Gemma3 local_scale_factor={config.local_scale_factor}: only unscaled sliding-layer rope (1.0, "
+            "as every released Gemma 3 has it) is served"
+        )
+    pattern = itertools.cycle(gemma3.GEMMA3_ATTENTION_PATTERN)
+    kinds = [_GEMMA_LAYER_TYPES[t.name] for t in itertools.islice(pattern, config.num_layers)]
+    by_head_dim = config.query_pre_attn_norm == gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM
+    hf = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **_gemma_common(config, kinds, max_position_embeddings),
+        "layer_types": kinds,
+        "query_pre_attn_scalar": config.head_dim if by_head_dim else config.embed_dim // config.num_heads,
+        "rope_theta": float(config.global_base_frequency),
+        "rope_local_base_freq": float(config.local_base_frequency),
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+    if config.global_scale_factor != 1.0:
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(config.global_scale_factor)}
+    return hf
+
+
+def tunix_hf_config(model: nnx.Module, max_position_embeddings: int) -> dict[str, Any]:
+    """The Hugging Face config of a tunix Llama3, Gemma (Gemma or Gemma 2) or Gemma3 model."""
+    derive = {llama3.Llama3: llama3_hf_config, gemma.Gemma: gemma_hf_config, gemma3.Gemma3: gemma3_hf_config}
+    for module, config_of in derive.items():
+        if isinstance(model, module):
+            return config_of(model.config, max_position_embeddings)
+    raise TypeError(f"cannot derive a Hugging Face config for a {type(model).__name__}: pass hf_config")
 
 
 class _EngineTokenizer:
@@ -162,7 +215,7 @@ class JaxserveRollout(base_rollout.BaseRollout):
     rollout_actor: the tunix model whose parameters are served (RLCluster passes the actor).
     tokenizer, mesh, rollout_config: as RLCluster passes them; the engine's max_seq_len holds
         max(kv_cache_size, max_prompt_length + max_tokens_to_generate) tokens.
-    hf_config: the model's Hugging Face config (dict or object); derived for a tunix Llama3.
+    hf_config: the model's Hugging Face config (dict or object); derived for a tunix Llama3, Gemma or Gemma3.
     llm_kwargs: `LLM` keywords (max_batch_size, compile_config, logprobs_mode, ...).
     """
 
@@ -182,11 +235,7 @@ class JaxserveRollout(base_rollout.BaseRollout):
             rollout_config.kv_cache_size, rollout_config.max_prompt_length + rollout_config.max_tokens_to_generate
         )
         if hf_config is None:
-            if not isinstance(rollout_actor, llama3.Llama3):
-                raise TypeError(
-                    f"cannot derive a Hugging Face config for a {type(rollout_actor).__name__}: pass hf_config"
-                )
-            hf_config = llama3_hf_config(rollout_actor.config, max_seq_len)
+            hf_config = tunix_hf_config(rollout_actor, max_seq_len)
         self._tokenizer = tokenizer
         self._params = flat_params(nnx.state(rollout_actor, nnx.Param))
         options = {"logprobs_mode": "processed_logprobs", "max_seq_len": max_seq_len, "show_progress": False}

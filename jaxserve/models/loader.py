@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxserve.models.common import CheckpointRule, ParamSpec
 from jaxserve.models.files import ModelFileError, check_safetensors, read_json_object
+from jaxserve.models.tunix_params import is_tunix_tree, to_jaxserve_params
 
 if TYPE_CHECKING:
     from jaxserve.models.registry import ModelConfig, ModelFamily
@@ -440,8 +441,10 @@ def load_from_pytree(family: ModelFamily, cfg: Any, params: Any, dtype: str = "b
     """Weights from parameters already in memory, validated against `param_specs(cfg)` and cast to `dtype`.
 
     `params` is the family's weights dataclass, or a nested dict (a Flax param tree, with or without
-    its top-level "params" key) keyed by our field names ("embed", "layers" -> "wq", ...) or by
-    Hugging Face names ("model" -> "layers" -> "0" -> "self_attn" -> "q_proj" -> "weight" / "kernel").
+    its top-level "params" key) keyed by our field names ("embed", "layers" -> "wq", ...), by
+    Hugging Face names ("model" -> "layers" -> "0" -> "self_attn" -> "q_proj" -> "weight" / "kernel")
+    or by google-tunix's ("embedder" -> "input_embedding", "layers" -> "0" -> "attn" -> "q_einsum" -> "w",
+    ...: `jaxserve.models.tunix_params`).
     Arrays that already match stay on their device; only the cast copies them. `cast=False` leaves
     field-named floating-point arrays in their own dtype, for a caller that casts them layer by layer
     (`to_serving`), so no cast copy of the whole tree is made (Hugging Face-named trees are assembled
@@ -458,6 +461,8 @@ def load_from_pytree(family: ModelFamily, cfg: Any, params: Any, dtype: str = "b
     flat = _flatten(params)
     if set(flat) & set(spec_leaves(spec_tree)):
         return _cast_fields(spec_tree, flat, dtype, cast)
+    if is_tunix_tree(flat):
+        return _cast_fields(spec_tree, _flatten(to_jaxserve_params(flat)), dtype, cast)
     return load_from_tensors(family, cfg, _flax_to_torch_names(flat), dtype)
 
 

@@ -1,6 +1,7 @@
 """jaxserve as google-tunix's rollout engine: `JaxserveRollout` against tunix's own expectations (its
-RolloutOutput layout, its per-token logps of its own model forward), then a few GRPO steps of a tiny
-random-weight tunix Llama3 end to end on CPU with the rollout served by jaxserve.
+RolloutOutput layout, its per-token logps of its own model forward) for tiny random-weight tunix Llama3,
+Gemma, Gemma 2 and Gemma3 models, then a few GRPO steps of a tunix Llama3 end to end on CPU with the rollout
+served by jaxserve.
 
 Needs google-tunix (`pip install -e ".[tunix]"`; CI runs this file in its Python 3.12 virtualenv).
 """
@@ -19,6 +20,8 @@ pytest.importorskip("tunix", reason='google-tunix is not installed: pip install 
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from grain import python as grain  # noqa: E402
+from tunix.models.gemma import model as gemma  # noqa: E402
+from tunix.models.gemma3 import model as gemma3  # noqa: E402
 from tunix.models.llama3 import model as llama3  # noqa: E402
 from tunix.rl import common  # noqa: E402
 from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
@@ -26,7 +29,7 @@ from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from jaxserve.config import CompileConfig  # noqa: E402
-from jaxserve.integrations.tunix import JaxserveRollout  # noqa: E402
+from jaxserve.integrations.tunix import JaxserveRollout, gemma3_hf_config, gemma_hf_config  # noqa: E402
 
 pytestmark = pytest.mark.needs_tunix
 
@@ -80,6 +83,53 @@ def tiny_llama3(seed: int) -> llama3.Llama3:
     # Larger logits than tunix's unit-normal init gives a 64-wide model, so that sampling is not uniform.
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda x: x * 3.0, state))
+    return model
+
+
+def tiny_gemma(version: int, seed: int) -> gemma.Gemma | gemma3.Gemma3:
+    """A tunix Gemma (version 1: one kv head), Gemma 2 (as many kv heads as query heads: the fused qkv einsum)
+    or Gemma3 (grouped kv heads, one full layer after five sliding ones, rope bases and query scale unlike
+    their defaults), with windows shorter than the longest prompt and soft-caps that bind."""
+    sizes = dict(num_embed=VOCAB, embed_dim=64, hidden_dim=96, num_heads=4)
+    if version == 3:
+        config = gemma3.ModelConfig(
+            **sizes,
+            num_layers=6,
+            head_dim=32,
+            num_kv_heads=2,
+            sliding_window_size=8,
+            local_base_frequency=100,
+            global_base_frequency=1_000_000,
+            global_scale_factor=4.0,
+            query_pre_attn_norm=gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS,
+            param_dtype=jnp.float32,
+        )
+        module = functools.partial(gemma3.Gemma3, config)
+    else:
+        local, full = gemma.AttentionType.LOCAL_SLIDING, gemma.AttentionType.GLOBAL
+        v2 = version == 2
+        config = gemma.ModelConfig(
+            **sizes,
+            num_layers=3 if v2 else 2,
+            head_dim=16,
+            num_kv_heads=4 if v2 else 1,
+            final_logit_softcap=2.0 if v2 else None,
+            use_post_attn_norm=v2,
+            use_post_ffw_norm=v2,
+            attention_types=(local, full, local) if v2 else (full, full),
+            attn_logits_soft_cap=1.0 if v2 else None,
+            sliding_window_size=8 if v2 else None,
+        )
+        module = functools.partial(gemma.Gemma, config)
+    # Every parameter random (tunix starts norm scales and MLP kernels at zero, which would hide a misplaced
+    # norm or MLP weight), drawn with numpy into an abstract model: tunix's initialisers compile per shape.
+    model = nnx.eval_shape(lambda: module(rngs=nnx.Rngs(seed)))
+    leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.Param))
+    rng = np.random.default_rng(seed)
+    fresh = [
+        jnp.asarray(rng.standard_normal(x.shape, np.float32) * (0.2 if len(x.shape) == 1 else 0.125)) for x in leaves
+    ]
+    nnx.update(model, jax.tree.unflatten(treedef, fresh))
     return model
 
 
@@ -175,6 +225,55 @@ def test_rollout_generate_logps_and_update_params_against_tunix(mesh):
     check_logps_match_tunix(trained, out, greedy)
     with pytest.raises(ValueError, match="LoRA parameter layers.0.attn.q_proj.w_lora_a"):
         rollout.update_params({"layers": {0: {"attn": {"q_proj": {"w_lora_a": jnp.zeros((64, 4))}}}}})
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_gemma_rollout_logps_equal_tunix_forward(mesh, version):
+    """Gemma 2 on prompts that need no padding: tunix's Gemma (google-tunix 0.1.7) places its sliding window
+    by comparing key indices with query positions, so left padding moves a padded row's window in tunix's
+    forward (its Gemma3 compares indices with indices, and padded batches agree)."""
+    model = tiny_gemma(version, seed=0)
+    config = rollout_config()
+    rollout = JaxserveRollout(model, CharTokenizer(), mesh, config, **ENGINE)
+    assert rollout.llm.model.config.version == version
+    if version == 2:  # BOS + 15 tokens each: max_prompt_length, so no row is padded
+        prompts = ["hello there you", "what is two plu", "a cat and a dog"]
+    else:  # BOS + 21 tokens: past the windows of 8, and padded to 32
+        prompts = ["hello there", "what is two plus two?", "a"]
+    out = rollout.generate(prompts, config)
+    assert (out.left_padded_prompt_tokens != PAD).all() == (version == 2)
+    check_logps_match_tunix(model, out, config)
+    assert np.ptp(np.concatenate(out.logprobs)) > 1.0, "a distribution far from uniform"
+
+    trained = tiny_gemma(version, seed=1)
+    rollout.update_params(nnx.state(trained, nnx.Param), (nnx.Param,))
+    greedy = rollout_config(temperature=0.0)
+    check_logps_match_tunix(trained, rollout.generate(prompts[:2], greedy), greedy)
+
+
+def test_gemma_configs_without_a_hugging_face_counterpart_are_refused():
+    full = gemma.AttentionType.GLOBAL
+    half = gemma.ModelConfig(
+        num_layers=1,
+        num_embed=VOCAB,
+        embed_dim=64,
+        hidden_dim=96,
+        num_heads=4,
+        head_dim=16,
+        num_kv_heads=1,
+        final_logit_softcap=None,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=False,
+        attention_types=(full,),
+    )
+    with pytest.raises(ValueError, match="use_post_attn_norm=True, use_post_ffw_norm=False.* is neither a Gemma"):
+        gemma_hf_config(half, 64)
+    scaled = gemma3.ModelConfig(
+        num_layers=1, num_embed=VOCAB, embed_dim=64, hidden_dim=96, num_heads=4, head_dim=16, num_kv_heads=1,
+        sliding_window_size=8, local_scale_factor=2.0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="local_scale_factor=2.0"):
+        gemma3_hf_config(scaled, 64)
 
 
 def count_a(prompts, completions, **kwargs):
