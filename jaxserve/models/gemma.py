@@ -5,7 +5,8 @@ What sets it apart from the Llama family (`jaxserve/models/llama.py`, whose serv
   and full layers, each kind with its own rope (Gemma 3: the global base with its scaling on full layers, the
   local base on sliding ones), from `layer_types` or each version's default pattern;
 - the query scale `query_pre_attn_scalar ** -0.5`; Gemma 2's attention logit soft-cap (inside the kernels)
-  and final logit soft-cap (in `compute_logits`, so before sampling and every logprob);
+  and final logit soft-cap (in `compute_logits`, so before sampling and every logprob), each transformers'
+  default when config.json omits it and none when it is null;
 - RMSNorm times (1 + w), in float32; Gemma 2 and 3 norm each block's output too (four norms a layer);
 - Gemma 3's q/k norm over the head dim before rope; the GELU-tanh gated MLP;
 - the embedding multiplied by sqrt(hidden_size) rounded to the weights' dtype; tied embeddings.
@@ -96,6 +97,8 @@ _HF_KEYS = {
     "model_type": ConfigKey("str"),
     "text_config": ConfigKey("object"),
 }
+# Keys whose null is no cap rather than the version's default: transformers caps only when they are not None.
+_NULL_MEANS_NONE = ("attn_logit_softcapping", "final_logit_softcapping")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 # transformers maps the legacy "gelu" of Gemma configs to the tanh approximation, as the models were trained.
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "gelu_tanh")
@@ -177,7 +180,8 @@ class GemmaConfig:
 
 def _from_hf(hf: dict, version: int) -> GemmaConfig:
     check_config_keys(hf, _HF_KEYS, required=_REQUIRED_KEYS)
-    hf = {**_DEFAULTS[version], **{k: v for k, v in hf.items() if v is not None}}
+    # null means the version's default, except for the soft-caps (_NULL_MEANS_NONE).
+    hf = {**_DEFAULTS[version], **{k: v for k, v in hf.items() if v is not None or k in _NULL_MEANS_NONE}}
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in _ACTIVATIONS:
         raise ValueError(f"hidden_activation must be one of {_ACTIVATIONS} for Gemma, got {activation!r}")

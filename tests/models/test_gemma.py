@@ -263,6 +263,45 @@ def test_prefill_then_decode_logits_match_hf(case: Case) -> None:
             assert np.abs(ref).max() > 0.9 * case.cfg.final_logit_soft_cap
 
 
+_SOFT_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+
+
+def test_gemma2_null_soft_caps_mean_no_cap(tiny_hf_config, hf_model, weights_from_state_dict) -> None:
+    """A Gemma 2 config.json with both soft-caps null (transformers: no cap) gives transformers' uncapped
+    logits, while a soft-cap key left out takes the version's default (attention 50.0, final 30.0). The
+    queries and the final norm are scaled up so that attention logits pass 50 and output logits pass 30:
+    either default cap, read in place of a null, changes the logits."""
+    overrides = {"head_dim": 16, "num_hidden_layers": 2, "query_pre_attn_scalar": 16, "sliding_window": 8}
+    hf_config = tiny_hf_config("gemma2", **overrides, **dict.fromkeys(_SOFT_CAPS))
+    assert [hf_config[key] for key in _SOFT_CAPS] == [None, None]
+    model = hf_model(hf_config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10.0)
+        model.model.norm.weight.mul_(10.0)
+    _, cfg = resolve(hf_config)
+    assert cfg.final_logit_soft_cap is None and {layer.soft_cap for layer in cfg.attention_layers} == {None}
+    weights = weights_from_state_dict(gemma, cfg, model.state_dict())
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, 24).astype(np.int32)  # longer than the window
+
+    def logits(config: gemma.GemmaConfig) -> np.ndarray:
+        cache = init_dense_cache(config, 1, len(tokens), jnp.float32)
+        positions = np.arange(len(tokens), dtype=np.int32)
+        out, _ = _logits(weights, tokens, positions, np.zeros(len(tokens), np.int32), cache, config)
+        return np.asarray(out)
+
+    ref = _hf_logits(model, tokens)
+    assert np.abs(ref).max() > 30.0
+    _assert_close(logits(cfg), ref)
+    for key in _SOFT_CAPS:  # each key left out: its default binds
+        _, capped = resolve({k: v for k, v in hf_config.items() if k != key})
+        if key == "attn_logit_softcapping":
+            assert {layer.soft_cap for layer in capped.attention_layers} == {50.0}
+        else:
+            assert capped.final_logit_soft_cap == 30.0
+        assert np.abs(logits(capped) - ref).max() > 0.05 * np.abs(ref).max(), key
+
+
 def test_greedy_generation_matches_hf_generate(case: Case) -> None:
     rng = np.random.default_rng(5)
     lengths = (5, 13)
