@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from jaxserve import compat
 from jaxserve.config import EngineConfig
+from jaxserve.kv_layout import KVLayout, kv_layout
 from jaxserve.models.attention import PagedKVCache
 from jaxserve.sharding.rules import shard_bytes
 
@@ -187,9 +188,16 @@ def stable_num_blocks(num_blocks: int) -> int:
     return num_blocks // granularity * granularity
 
 
-def kv_budget(profile: MemoryProfile, config: EngineConfig, host_bytes: int | None = None) -> KvBudget:
-    """The number of KV blocks from measured memory; raises a ValueError naming the knobs when too small."""
+def kv_budget(
+    profile: MemoryProfile, config: EngineConfig, host_bytes: int | None = None, layout: KVLayout | None = None
+) -> KvBudget:
+    """The number of KV blocks (pages of the layout's groups) from measured memory; raises a ValueError naming the
+    knobs when too small. layout: the model's KV groups (None: one group of every layer), whose pages one
+    sequence holds (`KVLayout.max_live_blocks`) the host budget and the checks count."""
     kv_config, block_size = config.kv_cache, config.kv_cache.block_size
+    layout = layout if layout is not None else kv_layout([None])
+    # Pages one sequence of max_seq_len tokens holds at most, and per block of max_tokens.
+    seq_pages = layout.max_live_blocks(config.max_seq_len, config.max_num_tokens, block_size)
     bytes_per_token, profiles = profile.kv_bytes_per_token, profile.devices
     bytes_per_block = bytes_per_token * block_size
     if profiles:
@@ -211,28 +219,33 @@ def kv_budget(profile: MemoryProfile, config: EngineConfig, host_bytes: int | No
     else:
         available = host_available_bytes() if host_bytes is None else host_bytes
         # Enough for every sequence at full length, plus the reserved block: more can never be used.
-        needed = (config.max_batch_size * config.max_blocks_per_seq + 1) * bytes_per_block
+        needed = (config.max_batch_size * seq_pages + 1) * bytes_per_block
         kv_bytes = min(int(available * kv_config.free_memory_fraction), needed)
         source = "host memory"
         logger.info("no device memory statistics: %s available on the host, %s needed", _gib(available), _gib(needed))
     logger.info("free_memory_fraction %.2f -> %s for the KV cache", kv_config.free_memory_fraction, _gib(kv_bytes))
     if kv_config.max_tokens is not None:
-        kv_bytes = min(kv_bytes, (math.ceil(kv_config.max_tokens / block_size) + 1) * bytes_per_block)
+        pages = math.ceil(kv_config.max_tokens / block_size) * layout.num_groups  # max_tokens in every group
+        kv_bytes = min(kv_bytes, (pages + 1) * bytes_per_block)
         logger.info("capped by kv_cache.max_tokens=%d -> %s", kv_config.max_tokens, _gib(kv_bytes))
     if kv_config.max_gpu_total_bytes is not None:
         kv_bytes = min(kv_bytes, kv_config.max_gpu_total_bytes)
         logger.info("capped by kv_cache.max_gpu_total_bytes -> %s", _gib(kv_bytes))
     num_blocks = kv_bytes // bytes_per_block
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d bytes per token) = %d tokens, %s (from %s)",
+        "KV cache: %d blocks of %d tokens x %d layers (%d bytes per token) = %d tokens, %s (from %s); %d layer "
+        "groups, %d blocks for one sequence of max_seq_len",
         num_blocks,
         block_size,
+        layout.layers_per_page,
         bytes_per_token,
         max(num_blocks - 1, 0) * block_size,
         _gib(num_blocks * bytes_per_block),
         source,
+        layout.num_groups,
+        seq_pages,
     )
-    needed_blocks = config.max_blocks_per_seq + 1
+    needed_blocks = seq_pages + 1
     if num_blocks < needed_blocks:
         raise ValueError(
             f"the KV cache holds {max(num_blocks - 1, 0) * block_size} tokens ({num_blocks} blocks, block 0 reserved) "

@@ -169,6 +169,7 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
             free_memory_fraction=args.kv_cache_free_memory_fraction,
             max_tokens=args.kv_cache_max_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            sliding_window_kv=not args.no_sliding_window_kv,
         ),
         "scheduler_config": SchedulerConfig(
             capacity_policy=CapacityPolicy(args.capacity_policy),

@@ -220,6 +220,11 @@ def _add_capacity_options(group: Any) -> None:
     group.add_argument("--kv-cache-max-tokens", type=positive, metavar="N", help="cap on the KV pool, in tokens")
     group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     group.add_argument(
+        "--no-sliding-window-kv",
+        action="store_true",
+        help="keep every token's KV in sliding-window layers too (by default they keep only their window)",
+    )
+    group.add_argument(
         "--capacity-policy",
         choices=[p.value for p in CapacityPolicy],
         default=CapacityPolicy.GUARANTEED_NO_EVICT.value,

@@ -76,6 +76,9 @@ class KvCacheConfig:
     max_tokens: optional cap on the pool size in tokens (>= 1).
     max_gpu_total_bytes: optional cap on the pool size in bytes (>= 1).
     enable_prefix_caching: reuse the KV of full blocks whose token prefix was computed before.
+    sliding_window_kv: sliding-window layers keep only their window of each sequence's KV (blocks below it are
+        released as the sequence runs, `jaxserve/kv_layout.py`); False keeps every token in every layer, for
+        comparison.
     """
 
     block_size: int = 16
@@ -83,6 +86,7 @@ class KvCacheConfig:
     max_tokens: int | None = None
     max_gpu_total_bytes: int | None = None
     enable_prefix_caching: bool = True
+    sliding_window_kv: bool = True
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1, 1024)
@@ -97,6 +101,8 @@ class KvCacheConfig:
             _require_int("max_gpu_total_bytes", self.max_gpu_total_bytes, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.sliding_window_kv, bool):
+            raise ValueError(f"sliding_window_kv must be a bool, got {self.sliding_window_kv!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from jaxserve import capacity, distributed
 from jaxserve.block_manager import BlockManager
 from jaxserve.buckets import Bucket, BucketTable
 from jaxserve.config import EngineConfig
+from jaxserve.kv_layout import KVLayout, kv_layout
 from jaxserve.models.loader import load_from_pytree
 from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.outputs import OutputProcessor
@@ -121,7 +122,9 @@ class Engine:
         self.config = config = started.config  # max_batch_size lowered to what the pool holds when it was "auto"
         self.steps, self.warmup_seconds = started.steps, started.warmup_seconds
         kv = config.kv_cache
-        self.block_manager = BlockManager(self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.kv_budget.num_blocks, kv.block_size, kv.enable_prefix_caching, layout=self.runner.spec.layout
+        )
         self.scheduler = Scheduler(config, self.block_manager, decode_costs=self.runner.decode_costs)
         self.outputs = OutputProcessor(tokenizer)
         self._inputs_cache = StepInputsCache()  # what a step's inputs reuse from the step before
@@ -482,25 +485,29 @@ def start_runner(
     """The runner, its KV pool sized by the capacity probe (agreed by every process of a multi-process run),
     and its step table compiled (or allowed lazily)."""
     backend = resolve_backend(config.attention_backend)
-    steps = StepConfig.from_config(config, cfg.vocab_size, backend)
+    windows = [layer.sliding_window for layer in cfg.attention_layers]
+    layout = kv_layout(windows, keep_window_only=config.kv_cache.sliding_window_kv)
+    steps = StepConfig.from_config(config, cfg.vocab_size, backend, layout.num_groups)
     if not config.compile.store_executables:  # the step store stands in for jax's cache
         enable_compilation_cache(config.compile.cache_dir)
     dtype = model_dtype(config.dtype, weights)
     threads = config.compile.compile_threads or default_compile_threads()
-    spec = RunnerSpec(family, cfg, steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode)
+    spec = RunnerSpec(
+        family, cfg, steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode, kv_layout=layout
+    )
     store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
     # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends
     # its steps, the others receive them (`LLM.follow`).
     step_channel = distributed.StepChannel() if distributed.is_multiprocess() else None
     channel = step_channel if distributed.is_leader() else None
     runner = Runner(spec, weights, mesh=mesh, seed=seed, store_dir=store, channel=channel)
-    kv_budget = capacity.kv_budget(runner.profile(), config)
+    kv_budget = capacity.kv_budget(runner.profile(), config, layout=layout)
     if distributed.is_multiprocess():
         agreed = distributed.agree_on_num_blocks(kv_budget.num_blocks)
         kv_budget = dataclasses.replace(kv_budget, num_blocks=agreed, kv_bytes=agreed * kv_budget.bytes_per_block)
     if config.auto_max_batch_size:  # profiled at the upper bound: conservative for any smaller size
-        config = _with_max_batch_size(config, kv_budget, cfg.vocab_size)
-        steps = StepConfig.from_config(config, cfg.vocab_size, backend)
+        config = _with_max_batch_size(config, kv_budget, layout)
+        steps = StepConfig.from_config(config, cfg.vocab_size, backend, layout.num_groups)
         runner.set_steps(steps)
     lazy = resolve_lazy(config.compile.lazy)
     warmup_seconds = runner.start(kv_budget.num_blocks, show_progress=show_progress, lazy=lazy)
@@ -529,9 +536,11 @@ def default_compile_threads() -> int:
     return min(8, os.cpu_count() or 1)
 
 
-def _with_max_batch_size(config: EngineConfig, budget: capacity.KvBudget, vocab_size: int) -> EngineConfig:
-    """The config with max_batch_size lowered to what the KV pool holds (`capacity.auto_max_batch_size`)."""
-    kv_tokens = budget.tokens(config.kv_cache.block_size)
+def _with_max_batch_size(config: EngineConfig, budget: capacity.KvBudget, layout: KVLayout) -> EngineConfig:
+    """The config with max_batch_size lowered to what the KV pool holds (`capacity.auto_max_batch_size`). A
+    sequence's token takes a page slot in each layer group while it is within every window: the pool's tokens
+    count once per group."""
+    kv_tokens = budget.tokens(config.kv_cache.block_size) // layout.num_groups
     size = capacity.auto_max_batch_size(kv_tokens, config.max_batch_size)
     logger.info(
         "max_batch_size %d (a pool of %d tokens holds %d sequences of %d tokens; upper bound %d)",

@@ -247,8 +247,15 @@ class Scheduler:
         return None
 
     def _lifetime_blocks(self, request: Request) -> int:
+        """The most KV pages `request` holds at once from its next step to its end. A full-attention group holds
+        every block of the longest length; a sliding group its window plus one step's new tokens: a chunk of
+        up to max_num_tokens while prompt (or a preempted sequence's output) is left to compute, then one token.
+        So a sequence past its prompt reserves its window, not its prompt's chunk."""
         # KV of every token but the last one sampled, which is never fed back.
-        return self.block_manager.blocks_for(request.max_total_tokens(self.config.max_seq_len) - 1)
+        max_len = request.max_total_tokens(self.config.max_seq_len) - 1
+        to_compute = request.num_tokens - request.num_computed_tokens
+        chunk = min(self.config.max_num_tokens, to_compute) if to_compute > 1 else 1
+        return self.block_manager.lifetime_pages(max_len, chunk)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -351,7 +358,8 @@ class Scheduler:
 
     def _reserved_blocks(self) -> int:
         """Blocks running requests may still take before they finish (GUARANTEED_NO_EVICT)."""
-        return sum(max(0, self._lifetime_blocks(r) - len(r.block_ids)) for r in self.running)
+        held = self.block_manager.pages_held
+        return sum(max(0, self._lifetime_blocks(r) - held(r)) for r in self.running)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         cfg = self.config
@@ -422,7 +430,10 @@ class Scheduler:
         """Admits `request` with its first chunk if the capacity policy allows; False changes nothing."""
         manager = self.block_manager
         if fork_parent is not None:
-            num_cached_blocks = num_in_use = manager.num_shareable_blocks(fork_parent, request)
+            num_cached_blocks = manager.num_shareable_blocks(fork_parent, request)
+            num_in_use = manager.live_pages(
+                num_cached_blocks * manager.block_size, num_cached_blocks * manager.block_size
+            )
         else:
             probe = manager.probe(request)
             num_cached_blocks, num_in_use = probe.num_cached_blocks, probe.num_in_use
@@ -435,7 +446,7 @@ class Scheduler:
             needed = self._lifetime_blocks(request) - num_in_use
             if plan.reserved_blocks + needed > manager.num_free_blocks:
                 return False
-        elif manager.blocks_for(start + num_tokens) - num_in_use > manager.num_free_blocks:
+        elif manager.live_pages(start, start + num_tokens) - num_in_use > manager.num_free_blocks:
             return False
         if fork_parent is not None:
             manager.fork(fork_parent, request)
@@ -446,7 +457,7 @@ class Scheduler:
         request.admit(self.clock())
         self.running.append(request)
         plan.add(request, num_tokens)
-        plan.reserved_blocks += max(0, self._lifetime_blocks(request) - len(request.block_ids))
+        plan.reserved_blocks += max(0, self._lifetime_blocks(request) - manager.pages_held(request))
         return True
 
     def _finalize(self, plan: _StepPlan, preempted: list[Request]) -> ScheduledBatch:

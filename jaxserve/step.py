@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jaxserve.buckets import Bucket
+from jaxserve.kv_layout import KVLayout, kv_layout
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
 from jaxserve.models.attention import PagedAttentionMetadata, PagedKVCache
 from jaxserve.models.registry import ModelConfig, ModelFamily
@@ -101,6 +102,11 @@ class RunnerSpec:
     num_top_logprobs: int
     compile_threads: int = 1
     logprobs_mode: str = "raw_logprobs"  # EngineConfig.logprobs_mode
+    kv_layout: KVLayout | None = None  # the KV pool's layer groups; None: one group of every layer
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.kv_layout if self.kv_layout is not None else kv_layout([None] * self.cfg.num_layers)
 
 
 def forward_fn(
@@ -127,6 +133,7 @@ def forward_fn(
         backend=spec.backend,
         max_q_len=1 if bucket.decode_only else None,
         mesh=mesh,
+        kv_layout=spec.kv_layout,
     )
     hidden, kv_cache = family.forward(weights, token_ids, inputs.positions, kv_cache, meta, cfg)
     logits = family.compute_logits(weights, hidden[inputs.logits_indices], cfg)

@@ -136,14 +136,17 @@ class StepInputs:
         carried_source[b] (overlap); the step writes it into token_ids[logits_indices[b]].
     banned_tokens: ids row b may not sample this step (min_tokens), padded with the vocabulary size.
     history / prompt_targets: present exactly in the penalties / prompt-logprobs variants.
+    block_table / slot_mapping: with G KV layer groups (`jaxserve/kv_layout.py`), a row's entry m * G + g is the
+        page of its block m in group g (0: released or padding), and slot_mapping[g] each token's slot in group
+        g's pages.
     """
 
     token_ids: Int32[np.ndarray, " T"]
     positions: Int32[np.ndarray, " T"]
-    slot_mapping: Int32[np.ndarray, " T"]
+    slot_mapping: Int32[np.ndarray, "G T"]
     cu_q_lens: Int32[np.ndarray, " B+1"]
     kv_lens: Int32[np.ndarray, " B"]
-    block_table: Int32[np.ndarray, "B M"]
+    block_table: Int32[np.ndarray, "B MG"]
     logits_indices: Int32[np.ndarray, " B"]
     num_seqs: Int32[np.ndarray, ""]
     carried_mask: Bool[np.ndarray, " B"]
@@ -162,7 +165,7 @@ def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> 
     Padding tokens have token 0, position 0 and write their K/V to block 0 (reserved); padding rows
     own no tokens and have kv_len 0.
     """
-    T, B, M = bucket.num_tokens, bucket.num_seqs, config.buckets.table_width(bucket)
+    T, B, M, G = bucket.num_tokens, bucket.num_seqs, config.buckets.table_width(bucket), config.kv_groups
 
     def ints(shape: int | tuple[int, ...], value: int = 0) -> np.ndarray:
         return np.full(shape, value, dtype=np.int32)
@@ -172,10 +175,10 @@ def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> 
     return StepInputs(
         token_ids=ints(T),
         positions=ints(T),
-        slot_mapping=ints(T, RESERVED_BLOCK * config.buckets.block_size),
+        slot_mapping=ints((G, T), RESERVED_BLOCK * config.buckets.block_size),
         cu_q_lens=ints(B + 1),
         kv_lens=ints(B),
-        block_table=ints((B, M), RESERVED_BLOCK),
+        block_table=ints((B, M * G), RESERVED_BLOCK),
         logits_indices=ints(B),
         num_seqs=ints(()),
         carried_mask=np.zeros(B, dtype=np.bool_),
@@ -255,21 +258,26 @@ def _advanced(
     starts, block_size = columns.starts, config.buckets.block_size
     if config.buckets.lookup(n, n, True, int(starts.max()) + 1) != bucket:
         return None
-    table = previous_inputs.block_table
+    table, groups = previous_inputs.block_table, config.kv_groups
     entering = np.flatnonzero(starts % block_size == 0)  # their new token is the first of a block
     if entering.size:
         index = starts[entering] // block_size
         blocks = [batch.rows[b].block_ids for b in entering.tolist()]
-        if (index >= table.shape[1]).any() or (index >= [len(ids) for ids in blocks]).any():
+        held = np.array([len(ids) for ids in blocks]) // groups
+        if (index >= table.shape[1] // groups).any() or (index >= held).any():
             return None  # a row without its next block: `_built` says which
         table = table.copy()
-        table[entering, index] = [ids[k] for ids, k in zip(blocks, index.tolist(), strict=True)]
+        for g in range(groups):  # a sliding group's released entries stay as the previous step had them
+            table[entering, index * groups + g] = [
+                ids[k * groups + g] for ids, k in zip(blocks, index.tolist(), strict=True)
+            ]
     positions, kv_lens, slots = (
         a.copy() for a in (previous_inputs.positions, previous_inputs.kv_lens, previous_inputs.slot_mapping)
     )
     positions[:n] = starts
     kv_lens[:n] = starts + 1
-    slots[:n] = table[np.arange(n), starts // block_size] * block_size + starts % block_size
+    entry = (starts // block_size)[None, :] * groups + np.arange(groups)[:, None]
+    slots[:, :n] = table[np.arange(n)[None, :], entry] * block_size + starts % block_size
     banned = np.full_like(previous_inputs.banned_tokens, config.vocab_size)
     _fill_banned(banned, columns)
     generation_index = previous_inputs.sampling.generation_index.copy()
@@ -414,9 +422,14 @@ def _fill_flat_batch(inputs: StepInputs, batch: ScheduledBatch, columns: BatchCo
     row_of_token = np.repeat(np.arange(n), q_lens)
     positions = np.repeat(starts - inputs.cu_q_lens[:n], q_lens) + np.arange(num_real, dtype=np.int32)
     inputs.positions[:num_real] = positions
-    _fill_block_table(inputs.block_table, batch, inputs.kv_lens, buckets)
-    block_of_token = inputs.block_table[row_of_token, positions // buckets.block_size]
-    inputs.slot_mapping[:num_real] = block_of_token * buckets.block_size + positions % buckets.block_size
+    groups = inputs.slot_mapping.shape[0]
+    _fill_block_table(inputs.block_table, batch, inputs.kv_lens, buckets, groups)
+    if groups == 1:
+        block_of_token = inputs.block_table[row_of_token, positions // buckets.block_size][None]
+    else:  # [G, T]: each group's page of each token's block
+        entry = (positions // buckets.block_size)[None, :] * groups + np.arange(groups)[:, None]
+        block_of_token = inputs.block_table[row_of_token[None, :], entry]
+    inputs.slot_mapping[:, :num_real] = block_of_token * buckets.block_size + positions % buckets.block_size
     if num_real > np.count_nonzero(columns.input_pending):  # else every input is on the device (steady decode)
         _fill_token_ids(inputs.token_ids, batch, inputs.cu_q_lens[:n])
 
@@ -430,11 +443,13 @@ def _fill_token_ids(token_ids: np.ndarray, batch: ScheduledBatch, row_offsets: n
     token_ids[np.repeat(row_offsets - known_offsets, known) + np.arange(flat.shape[0])] = flat
 
 
-def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndarray, buckets: BucketTable) -> None:
-    """Each row holds the blocks covering its kv_len; the rest point at block 0."""
+def _fill_block_table(
+    table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndarray, buckets: BucketTable, groups: int = 1
+) -> None:
+    """Each row holds the pages (one per group) of the blocks covering its kv_len; the rest point at block 0."""
     rows = batch.rows
     n = len(rows)
-    needed = -(-kv_lens[:n] // buckets.block_size)
+    needed = -(-kv_lens[:n] // buckets.block_size) * groups
     block_arrays = [row.block_ids for row in rows]
     held = np.array([len(blocks) for blocks in block_arrays], dtype=np.int64)
     width = table.shape[1]
@@ -443,8 +458,8 @@ def _fill_block_table(table: np.ndarray, batch: ScheduledBatch, kv_lens: np.ndar
         i = int(short[0])
         request = rows[i].request
         raise ValueError(
-            f"request {request.request_id}[{request.index}] needs {needed[i]} blocks for "
-            f"{kv_lens[i]} tokens; it holds {held[i]}, a block table row {width}"
+            f"request {request.request_id}[{request.index}] needs {needed[i] // groups} blocks for "
+            f"{kv_lens[i]} tokens; it holds {held[i] // groups}, a block table row {width // groups}"
         )
     # The rows' C-int arrays joined as bytes: no Python int is converted (np.fromiter over lists is an order
     # of magnitude slower; see docs/performance.md).

@@ -276,13 +276,15 @@ class StepTable:
 
 def cache_specs(spec: RunnerSpec, num_blocks: int) -> PagedKVCache:
     """The ParamSpecs of a KV pool of num_blocks blocks for the spec's model."""
-    return paged_cache_specs(spec.cfg, num_blocks, spec.steps.buckets.block_size)
+    return paged_cache_specs(spec.cfg, num_blocks, spec.steps.buckets.block_size, spec.layout.layers_per_page)
 
 
 def zero_cache(spec: RunnerSpec, mesh: Mesh, num_blocks: int) -> PagedKVCache:
     """A zeroed KV pool of num_blocks blocks, allocated on the mesh in the rules table's layout."""
     shardings = named_shardings(cache_specs(spec, num_blocks), mesh)
-    build = partial(init_paged_cache, spec.cfg, num_blocks, spec.steps.buckets.block_size, spec.dtype)
+    build = partial(
+        init_paged_cache, spec.cfg, num_blocks, spec.steps.buckets.block_size, spec.dtype, spec.layout.layers_per_page
+    )
     return jax.jit(build, out_shardings=shardings)()
 
 

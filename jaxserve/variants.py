@@ -101,6 +101,8 @@ class StepConfig:
 
     vocab_size: the out-of-vocabulary id that pads banned tokens and token histories.
     max_seq_len: the width of a token history.
+    kv_groups: the KV layout's number of layer groups (`jaxserve/kv_layout.py`): a block table row holds a page
+        per group for each block, and the slot mapping a row per group.
     """
 
     buckets: BucketTable
@@ -108,9 +110,12 @@ class StepConfig:
     max_seq_len: int
     penalty_variants: bool = False
     prompt_logprob_variants: bool = False
+    kv_groups: int = 1
 
     @classmethod
-    def from_config(cls, config: EngineConfig, vocab_size: int, attention_backend: str | None = None) -> StepConfig:
+    def from_config(
+        cls, config: EngineConfig, vocab_size: int, attention_backend: str | None = None, kv_groups: int = 1
+    ) -> StepConfig:
         compile_config = config.compile
         return cls(
             buckets=BucketTable.from_config(config, attention_backend),
@@ -118,6 +123,7 @@ class StepConfig:
             max_seq_len=config.max_seq_len,
             penalty_variants=compile_config.penalty_variants,
             prompt_logprob_variants=compile_config.prompt_logprobs,
+            kv_groups=kv_groups,
         )
 
     def forwards(self) -> tuple[tuple[Bucket, bool], ...]:

@@ -81,7 +81,10 @@ def test_every_shape_resolves_and_shape_returns_a_copy():
     tiny = shapes.shape("tiny-llama")
     tiny["vocab_size"] = 1
     assert shapes.shape("tiny-llama")["vocab_size"] == VOCAB
-    with pytest.raises(ValueError, match="unknown model shape 'nope'; known shapes: llama-3.1-8b, gemma-3-12b, gemma-2-9b, smollm2-135m"):
+    with pytest.raises(
+        ValueError,
+        match="unknown model shape 'nope'; known shapes: llama-3.1-8b, gemma-3-12b, gemma-2-9b, smollm2-135m",
+    ):
         shapes.shape("nope")
 
 

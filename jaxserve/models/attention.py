@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxserve import kernels
 from jaxserve.kernels.add_rms_norm import MAX_DIM as NORM_MAX_DIM
+from jaxserve.kv_layout import KVLayout
 from jaxserve.models.common import ParamSpec, apply_rope, split_qkv
 from jaxserve.sharding.mesh import MODEL_AXIS
 from jaxserve.sharding.rules import partition_spec
@@ -74,7 +75,7 @@ class PagedKVCache:
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["slot_mapping", "block_table", "kv_lens", "cu_q_lens", "num_seqs"],
-    meta_fields=["backend", "max_q_len", "mesh", "interpret"],
+    meta_fields=["backend", "max_q_len", "mesh", "interpret", "kv_layout"],
 )
 @dataclass(frozen=True, slots=True)
 class PagedAttentionMetadata:
@@ -86,10 +87,13 @@ class PagedAttentionMetadata:
     mesh: the device mesh when the model is tensor-parallel; the Pallas kernels then run per device
         under shard_map on its share of the heads (the xla backend is partitioned by XLA itself).
     interpret: run the Pallas kernels in interpret mode (a CPU has no Triton; tests).
+    kv_layout: the pool's layer groups (`jaxserve/kv_layout.py`): layer l's KV lives in slot slot_of[l] of group
+        group_of[l]'s pages; block_table holds G interleaved pages per block ([B, M * G]) and slot_mapping a row
+        per group ([G, T]). None: one group whose slot l is layer l (slot_mapping may then be [T]).
     """
 
-    slot_mapping: Int[Array, " T"]
-    block_table: Int[Array, "B M"]
+    slot_mapping: Int[Array, "G T"]
+    block_table: Int[Array, "B MG"]
     kv_lens: Int[Array, " B"]
     cu_q_lens: Int[Array, " B+1"]
     num_seqs: Int[Array, ""]
@@ -97,21 +101,28 @@ class PagedAttentionMetadata:
     max_q_len: int | None = None
     mesh: Mesh | None = None
     interpret: bool = False
+    kv_layout: KVLayout | None = None
 
 
-def paged_cache_specs(cfg: _CacheShape, num_blocks: int, block_size: int) -> PagedKVCache:
+def paged_cache_specs(
+    cfg: _CacheShape, num_blocks: int, block_size: int, layers_per_page: int | None = None
+) -> PagedKVCache:
     """The block pool's declaration, like a weight's: shape and logical axes of `k` and `v`. The rules
-    table (jaxserve/sharding/rules.py) splits it over kv heads; capacity reads its bytes per token from it."""
+    table (jaxserve/sharding/rules.py) splits it over kv heads; capacity reads its bytes per token from it.
+    layers_per_page: the KV layout's slots per page (None: every layer, one group)."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    layers = cfg.num_layers if layers_per_page is None else layers_per_page
+    shape = (layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     spec = ParamSpec(shape, ("layers", None, None, "kv_heads", "head_dim"))
     return PagedKVCache(k=spec, v=spec)
 
 
-def init_paged_cache(cfg: _CacheShape, num_blocks: int, block_size: int, dtype: jnp.dtype) -> PagedKVCache:
-    """Zeroed block pool of `num_blocks` blocks (block 0 included) of `block_size` tokens per layer."""
-    specs = paged_cache_specs(cfg, num_blocks, block_size)
+def init_paged_cache(
+    cfg: _CacheShape, num_blocks: int, block_size: int, dtype: jnp.dtype, layers_per_page: int | None = None
+) -> PagedKVCache:
+    """Zeroed block pool of `num_blocks` blocks (block 0 included) of `block_size` tokens per layer slot."""
+    specs = paged_cache_specs(cfg, num_blocks, block_size, layers_per_page)
     return PagedKVCache(k=jnp.zeros(specs.k.shape, dtype), v=jnp.zeros(specs.v.shape, dtype))
 
 
@@ -313,17 +324,34 @@ def _on_layer_pool(body, kv_cache: PagedKVCache, layer, meta: PagedAttentionMeta
             out_specs=(out_spec, pool, pool),
             check_vma=False,
         )
-    offset = layer * num_blocks
+    slot_mapping, block_table, slot = _group_tables(meta, layer)
+    offset = slot * num_blocks
     k_pool, v_pool = kv_cache.k.reshape(pool_shape), kv_cache.v.reshape(pool_shape)
     tables = (
-        meta.slot_mapping + offset * block_size,
-        meta.block_table + offset,
+        slot_mapping + offset * block_size,
+        block_table + offset,
         meta.kv_lens,
         meta.cu_q_lens,
         meta.num_seqs,
     )
     out, k_pool, v_pool = body(k_pool, v_pool, tables, *inputs)
     return out, PagedKVCache(k=k_pool.reshape(kv_cache.k.shape), v=v_pool.reshape(kv_cache.v.shape))
+
+
+def _group_tables(meta: PagedAttentionMetadata, layer: Int[Array, ""]) -> tuple[Array, Array, Array]:
+    """(slot_mapping [T], block_table [B, M], slot) of layer `layer`'s group: its row of the slot mapping, its
+    pages of the interleaved block table, and the layer's slot in them."""
+    layout = meta.kv_layout
+    slot_mapping, block_table = meta.slot_mapping, meta.block_table
+    if layout is None:
+        return (slot_mapping if slot_mapping.ndim == 1 else slot_mapping[0]), block_table, layer
+    group = jnp.asarray(layout.group_of, jnp.int32)[layer]
+    slot = jnp.asarray(layout.slot_of, jnp.int32)[layer]
+    if layout.num_groups == 1:
+        return slot_mapping[0], block_table, slot
+    rows, width = block_table.shape
+    pages = block_table.reshape(rows, width // layout.num_groups, layout.num_groups)
+    return slot_mapping[group], jnp.take(pages, group, axis=2), slot
 
 
 def write_dense(

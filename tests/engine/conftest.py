@@ -122,6 +122,7 @@ def _make_llm(
     max_num_tokens: int = 32,
     max_seq_len: int = 128,
     enable_prefix_caching: bool = True,
+    sliding_window_kv: bool = True,
     **engine_kwargs: Any,
 ) -> LLM:
     """An xla-backend engine over `model`; kv_tokens caps the KV pool (None: what the batch can use);
@@ -132,7 +133,9 @@ def _make_llm(
         max_batch_size=max_batch_size,
         max_num_tokens=max_num_tokens,
         max_seq_len=max_seq_len,
-        kv_cache_config=KvCacheConfig(max_tokens=kv_tokens, enable_prefix_caching=enable_prefix_caching),
+        kv_cache_config=KvCacheConfig(
+            max_tokens=kv_tokens, enable_prefix_caching=enable_prefix_caching, sliding_window_kv=sliding_window_kv
+        ),
         scheduler_config=SchedulerConfig(capacity_policy=policy),
         compile_config=compile_config,
         attention_backend="xla",

@@ -28,7 +28,10 @@ MAX_NUM_TOKENS = 32
 BLOCK_SIZE = 16
 NEW_TOKENS = 12
 # 10 usable blocks: four running requests of up to 82 tokens need up to 24, so MAX_UTILIZATION preempts.
+# (With sliding-window layers, 10 blocks in each layer group; Mistral's layers, all sliding with a window of
+# 8, keep 3 or 4 blocks a request, so its pool is smaller for the same pressure.)
 KV_TOKENS = 160
+KV_TOKENS_BY_MODEL = {"mistral": 64, "gemma2": 96, "gemma3": 96}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 POLICIES = {"max_utilization": CapacityPolicy.MAX_UTILIZATION, "no_evict": CapacityPolicy.GUARANTEED_NO_EVICT}
 
@@ -55,6 +58,12 @@ BUCKETS = {
     ("qwen3", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
     ("qwen3", "no_evict"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
     ("mistral", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
+    ("mistral_full_kv", "max_utilization"): CompileConfig(
+        decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False
+    ),
+    ("gemma2_full_kv", "max_utilization"): CompileConfig(
+        decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False
+    ),
     ("gemma2", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
     ("gemma3", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
 }
@@ -68,8 +77,16 @@ def engines(tiny_model, make_llm):
     def get(model_type: str, policy: str):
         key = model_type, policy
         if key not in built:
-            model = tiny_model(model_type)
-            llm = make_llm(model, policy=POLICIES[policy], kv_tokens=KV_TOKENS, compile_config=BUCKETS[key])
+            # "<model>_full_kv": the same model with sliding_window_kv off (sliding layers keep every token).
+            name = model_type.removesuffix("_full_kv")
+            model = tiny_model(name)
+            llm = make_llm(
+                model,
+                policy=POLICIES[policy],
+                kv_tokens=KV_TOKENS if name != model_type else KV_TOKENS_BY_MODEL.get(name, KV_TOKENS),
+                compile_config=BUCKETS[key],
+                sliding_window_kv=name == model_type,
+            )
             built[key] = model, llm
         return built[key]
 
@@ -80,7 +97,9 @@ def new_stats(llm, before: int):
     return llm.step_stats[before:]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "qwen3", "mistral", "mistral_full_kv", "gemma2", "gemma2_full_kv", "gemma3"]
+)
 def test_greedy_matches_dense_with_preemption_chunking_and_prefix_hits(engines, model_type, assert_engine_idle):
     model, llm = engines(model_type, "max_utilization")
     prompts = mixed_prompts(seed=1)

@@ -190,7 +190,7 @@ def test_step_inputs_of_a_mixed_batch():
         "positions": [4, 5, 6, 7, 8, 0, 1, 2, 6, 2] + pad6,
         # block_id * 4 + offset: a's positions 4..7 in block 3, 8 in block 9; b in block 5; c's 6 in
         # block 8; d's 2 in block 6; padding tokens in block 0.
-        "slot_mapping": [12, 13, 14, 15, 36, 20, 21, 22, 34, 26] + pad6,
+        "slot_mapping": [[12, 13, 14, 15, 36, 20, 21, 22, 34, 26] + pad6],  # one row: one KV group
         "cu_q_lens": [0, 5, 8, 9, 10],
         "kv_lens": [9, 3, 7, 3],
         "block_table": [[7, 3, 9, 0, 0, 0, 0, 0], [5] + [0] * 7, [2, 8] + [0] * 6, [6] + [0] * 7],
@@ -241,7 +241,7 @@ def test_padding_rows_of_a_decode_step_own_no_tokens_and_point_at_block_0():
     assert bucket == Bucket(4, 4, decode_only=True)
     np.testing.assert_array_equal(inputs.token_ids, [5, 5, 5, 0])
     np.testing.assert_array_equal(inputs.positions, [4, 4, 4, 0])
-    np.testing.assert_array_equal(inputs.slot_mapping, [16, 20, 24, 0])
+    np.testing.assert_array_equal(inputs.slot_mapping, [[16, 20, 24, 0]])
     np.testing.assert_array_equal(inputs.cu_q_lens, [0, 1, 2, 3, 3])
     np.testing.assert_array_equal(inputs.kv_lens, [5, 5, 5, 0])
     np.testing.assert_array_equal(inputs.logits_indices, [0, 1, 2, 0])
@@ -497,7 +497,7 @@ def row_by_row_inputs(batch: ScheduledBatch, previous: ScheduledBatch, config: S
         for j in range(scheduled.num_tokens):
             position = scheduled.start + j
             expected.positions[offset + j] = position
-            expected.slot_mapping[offset + j] = scheduled.block_ids[position // bs] * bs + position % bs
+            expected.slot_mapping[0, offset + j] = scheduled.block_ids[position // bs] * bs + position % bs
             if j < len(scheduled.token_ids):
                 expected.token_ids[offset + j] = scheduled.token_ids[j]
             scored = params.scored_prompt_start

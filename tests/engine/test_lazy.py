@@ -47,7 +47,9 @@ def test_a_lazy_engine_compiles_steps_on_first_use_and_narrow_steps_match_dense(
     model_type, caplog, tiny_model, make_llm, assert_engine_idle, record_runs
 ):
     model = tiny_model(model_type)  # mistral: a sliding window of 8 below every width
-    llm = make_llm(model, kv_tokens=160, compile_config=NARROW)  # a pool small enough to preempt
+    # A pool small enough to preempt: every layer keeps every token's KV (mistral's window would let 160 tokens
+    # hold every sequence at once).
+    llm = make_llm(model, kv_tokens=160, compile_config=NARROW, sliding_window_kv=False)
     runner, steps = llm.engine.runner, llm.engine.steps
     assert steps.buckets.kv_block_buckets == (1, 2, 3)
     assert runner.table.lazy and runner.table.num_executables == 0

@@ -349,7 +349,7 @@ class FakeDevice:
         if carried.any():
             token_ids[inputs.logits_indices[carried]] = previous_sampled[inputs.carried_source[carried]]
         bs = self.steps.buckets.block_size
-        assert np.all(inputs.slot_mapping[inputs.cu_q_lens[-1] :] // bs == RESERVED_BLOCK)
+        assert np.all(inputs.slot_mapping[:, inputs.cu_q_lens[-1] :] // bs == RESERVED_BLOCK)
         for b, row in enumerate(batch.rows):
             lo, hi = inputs.cu_q_lens[b], inputs.cu_q_lens[b + 1]
             end = row.start + row.num_tokens
@@ -357,7 +357,7 @@ class FakeDevice:
             assert token_ids[lo:hi].tolist() == truth[row.start :]
             assert inputs.positions[lo:hi].tolist() == list(range(row.start, end))
             for offset, position in enumerate(range(row.start, end)):
-                self.kv[inputs.slot_mapping[lo + offset]] = self.fingerprint(truth[: position + 1])
+                self.kv[inputs.slot_mapping[0, lo + offset]] = self.fingerprint(truth[: position + 1])
         for b, row in enumerate(batch.rows):  # attention reads after every write of the step
             end = row.start + row.num_tokens
             truth = self.true_tokens(row.request, end)

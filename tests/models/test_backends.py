@@ -141,3 +141,62 @@ def test_a_forward_traces_its_decoder_layer_once(tiny_hf_config, monkeypatch) ->
     finally:
         jax.clear_caches()  # nor does this one's, with the counting wrapper, reach a later test
     assert len(traced) == 1
+
+
+def _run_grouped(name: str, backend: str, tiny_hf_config) -> list[np.ndarray]:
+    """STEPS over a pool laid out by layer group (each group's pages its own, interleaved in the block table)."""
+    from jaxserve.kv_layout import kv_layout
+
+    family, cfg, weights = _model(name, tiny_hf_config)
+    layout = kv_layout([layer.sliding_window for layer in cfg.attention_layers])
+    groups = layout.num_groups
+    assert groups > 1
+    # Sequence 0's blocks 0, 1 and sequence 1's block 0 get pages 1 + 3 * g + (0, 1, 2) in group g.
+    pages = {(0, 0): 0, (0, 1): 1, (1, 0): 2}
+    page = lambda seq, block, g: 1 + 3 * g + pages[(seq, block)]  # noqa: E731
+    table = np.zeros((2, 2 * groups), np.int32)
+    for seq, block in pages:
+        for g in range(groups):
+            table[seq, block * groups + g] = page(seq, block, g)
+    cache = init_paged_cache(cfg, 1 + 3 * groups, 16, jnp.float32, layout.layers_per_page)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 31)
+    logits, start = [], 0
+    for step in STEPS:
+        count = len(step["positions"])
+        seqs = [0] * (count - 1) + [1] if count == 2 else [0] * 20 + [1] * 9
+        positions = np.asarray(step["positions"])
+        slots = np.array(
+            [[page(s, p // 16, g) * 16 + p % 16 for s, p in zip(seqs, positions, strict=True)] for g in range(groups)],
+            np.int32,
+        )
+        meta = PagedAttentionMetadata(
+            slot_mapping=jnp.asarray(slots),
+            block_table=jnp.asarray(table),
+            kv_lens=jnp.asarray(step["kv_lens"], jnp.int32),
+            cu_q_lens=jnp.asarray(step["cu"], jnp.int32),
+            num_seqs=jnp.int32(2),
+            backend=backend,
+            max_q_len=1 if count == 2 else None,
+            interpret=backend == "pallas",
+            kv_layout=layout,
+        )
+
+        @jax.jit
+        def forward(weights, cache, tokens, positions, meta=meta):
+            hidden, cache = family.forward(weights, tokens, positions, cache, meta, cfg)
+            return family.compute_logits(weights, hidden, cfg), cache
+
+        ids = jnp.asarray(tokens[start : start + count], jnp.int32)
+        out, cache = forward(weights, cache, ids, jnp.asarray(positions, jnp.int32))
+        logits.append(np.asarray(out))
+        start += count
+    return logits
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_pool_laid_out_by_layer_group_gives_the_same_logits(backend: str, tiny_hf_config) -> None:
+    """Gemma 2's sliding and full layers in groups of their own pages: each layer reads its group's pages and
+    slot, on both backends, and the logits are those of the one-group pool."""
+    reference, _, _ = _run("gemma2_caps", "xla", tiny_hf_config)
+    for ours, want in zip(_run_grouped("gemma2_caps", backend, tiny_hf_config), reference, strict=True):
+        np.testing.assert_allclose(ours, want, rtol=2e-5, atol=2e-5)
