@@ -3,9 +3,12 @@
 # bf16 weights (MODEL=gemma-3-12b etc.: another shape of jaxserve/models/shapes.py for latency, throughput and
 # long); each mode fits one 10-minute device call and starts with the card's ceilings (ceilings.py):
 #   bash benchmarks/gpu_engine.sh ceilings    # copy TB/s and bf16 matmul TFLOP/s only
-#   bash benchmarks/gpu_engine.sh latency     # jaxserve bench latency, batch 1 / 8 / 32, 128/128
+#   bash benchmarks/gpu_engine.sh latency     # jaxserve bench latency, batch 1 / 8 / 32, 128/128 (BATCHES="1": one)
 #   bash benchmarks/gpu_engine.sh throughput  # jaxserve bench throughput, 1024 x 128/128: cold, cached, sampling
+#                                             # (COLD_ONLY=1: the cold run only)
 #   bash benchmarks/gpu_engine.sh long        # 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
+#   bash benchmarks/gpu_engine.sh sliding     # 256 x 8192/256 (MODEL=gemma-3-12b), SLIDING=off: with
+#                                             # --no-sliding-window-kv (every layer keeps every token's KV)
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -49,7 +52,7 @@ case "${1:-}" in
     profile_run b32_c192 200 "${P[@]}" --batch 32
     ;;
   latency)
-    for b in 1 8 32; do
+    for b in ${BATCHES:-1 8 32}; do
       bench_run latency_b$b 170 latency --random-weights $MODEL --batch-size $b --input-len 128 --output-len 128 --num-iters 3
     done
     ;;
@@ -57,6 +60,7 @@ case "${1:-}" in
     rm -rf "$JAXSERVE_CACHE/xla"
     T=(throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128)
     bench_run t1024_cold 240 "${T[@]}"
+    [ -n "${COLD_ONLY:-}" ] && exit 0
     bench_run t1024_cached 120 "${T[@]}"
     bench_run t1024_sampling 120 "${T[@]}" --temperature 0.8 --top-p 0.95 --top-k 50 --seed-per-request
     ;;
@@ -65,6 +69,11 @@ case "${1:-}" in
     bench_run t512_1000_1000 220 "${L[@]}" --num-requests 512 --input-len 1000 --output-len 1000
     bench_run t256_2048_128 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
     bench_run t512_128_2048 160 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
+    ;;
+  sliding)  # the sliding layers' KV kept at their window (default) or every token's (SLIDING=off), same job
+    W=(throughput --random-weights $MODEL --num-requests 256 --input-len 8192 --output-len 256 --max-seq-len 8448)
+    [ "${SLIDING:-on}" = off ] && W+=(--no-sliding-window-kv)
+    bench_run t256_8192_256_sliding_${SLIDING:-on} 560 "${W[@]}"
     ;;
   admission)  # against `long` on the same machine start
     A=(throughput --random-weights llama-3.1-8b --max-seq-len 2176 --no-bucket-aware-admission)
@@ -107,5 +116,5 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac

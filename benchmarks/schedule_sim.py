@@ -4,14 +4,18 @@ time; the model's figures are estimates, not measurements.
 
     python benchmarks/schedule_sim.py --num-requests 512 --input-len 1000 --output-len 1000 --kv-tokens 830752
     python benchmarks/schedule_sim.py ... --capacity-policy max_utilization --decode-batch-sizes 256,320,384,448,512
+    python benchmarks/schedule_sim.py --shape gemma-3-12b --num-requests 256 --input-len 8192 --output-len 256 \
+        --max-seq-len 8448 --kv-gib 38 [--no-sliding-window-kv]
 
-The real `Scheduler` and `BlockManager` run the workload (every request makes exactly --output-len tokens);
-each step is looked up in the real `BucketTable` and costed as
+The real `Scheduler` and `BlockManager` (with the model's KV layout: sliding layers' groups keep their window
+unless --no-sliding-window-kv) run the workload (every request makes exactly --output-len tokens); each step
+is looked up in the real `BucketTable` and costed as
     max(weights / bandwidth, gemm flops of the bucket's tokens / matmul rate)
     + KV bytes every row reads / bandwidth + prefill attention flops / (matmul rate / 2) + --overhead-ms
-with the Llama-3.1-8B shape's figures (7.0 G layer parameters per token, 0.53 G of lm_head per row, 128 KiB
-of K/V per token). Prints the steps by kind (decode-only, mixed), the rows and padding of the decode steps,
-preemptions, and the estimated elapsed time and output tok/s.
+with the figures of the --shape (`jaxserve/models/shapes.py`, default llama-3.1-8b): its layers' matrix
+parameters per token, lm_head per row, every parameter's bytes, and per layer the K/V bytes of a token and
+the keys a query reads (all before it, or its window). Prints the steps by kind (decode-only, mixed), the
+rows and padding of the decode steps, preemptions, and the estimated elapsed time and output tok/s.
 """
 
 from __future__ import annotations
@@ -19,27 +23,68 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.buckets import BucketTable
 from jaxserve.config import CapacityPolicy, CompileConfig, EngineConfig, SchedulerConfig
+from jaxserve.kv_layout import kv_layout
+from jaxserve.models import registry, shapes
 from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import Scheduler
 
-LAYER_PARAMS = 6.98e9  # Llama-3.1-8B: 32 layers of attention and MLP matrices
-HEAD_PARAMS = 0.525e9  # lm_head, 4096 x 128256
-WEIGHT_BYTES = 16.06e9
-KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
-ATTENTION_FLOPS_PER_PAIR = 4 * 32 * 32 * 128
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What one token costs a model of this shape, in bf16."""
+
+    layer_params: float  # attention and MLP matrices over every layer: 2x this many flops per token
+    head_params: float  # lm_head (the tied embedding when tied): 2x this many flops per sampled row
+    weight_bytes: float  # every parameter's bytes (an untied embedding counted, though a step reads a few rows)
+    kv_bytes: int  # K and V of one token in one layer
+    pair_flops: float  # one query against one key in one layer: QK and PV
+    windows: tuple[int | None, ...]  # each layer's window (None: every key before the query)
 
 
-def step_cost_ms(num_tokens: int, num_rows: int, kv_read_tokens: int, prefill_pairs: int, args) -> float:
+def model_costs(name: str) -> ModelCosts:
+    _, cfg = registry.resolve(shapes.shape(name))
+    hidden, q_width, kv_width = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = hidden * (2 * q_width + 2 * kv_width) + 3 * hidden * cfg.intermediate_size
+    head = cfg.vocab_size * hidden
+    embedding = 0 if cfg.tie_word_embeddings else head
+    return ModelCosts(
+        layer_params=per_layer * cfg.num_layers,
+        head_params=head,
+        weight_bytes=2 * (per_layer * cfg.num_layers + head + embedding),
+        kv_bytes=2 * kv_width * 2,
+        pair_flops=4 * q_width,
+        windows=tuple(layer.sliding_window for layer in cfg.attention_layers),
+    )
+
+
+def keys_read(start: int, num_tokens: int, window: int | None) -> int:
+    """Query-key pairs of queries at positions [start, start + num_tokens), each reading the keys up to its own
+    position, or its last `window` of them."""
+    end = start + num_tokens
+    total = (end * (end + 1) - start * (start + 1)) // 2  # sum of p + 1 over the chunk
+    if window is None or end <= window:
+        return total
+    capped_from = max(start, window - 1)  # positions p >= window - 1 read exactly `window` keys
+    over = (end * (end + 1) - capped_from * (capped_from + 1)) // 2 - window * (end - capped_from)
+    return total - over
+
+
+def step_cost_ms(costs: ModelCosts, num_tokens: int, num_rows: int, decode_rows, prefill_rows, args) -> float:
+    """One step: the bucket's GEMMs or its weights' bytes, each decode row's keys in every layer, each prefill
+    chunk's query-key pairs in every layer. Rows are (start, num_tokens)."""
     bw, mm = args.bandwidth * 1e12, args.matmul_tflops * 1e12
-    gemm = max(WEIGHT_BYTES / bw, (2 * LAYER_PARAMS * num_tokens + 2 * HEAD_PARAMS * num_rows) / mm)
-    attention = kv_read_tokens * KV_BYTES_PER_TOKEN / bw + prefill_pairs * ATTENTION_FLOPS_PER_PAIR / (mm / 2)
+    gemm = max(costs.weight_bytes / bw, (2 * costs.layer_params * num_tokens + 2 * costs.head_params * num_rows) / mm)
+    kv_read = sum(keys_read(start, 1, w) for start, _ in decode_rows for w in costs.windows)
+    pairs = sum(keys_read(start, n, w) for start, n in prefill_rows for w in costs.windows)
+    attention = kv_read * costs.kv_bytes / bw + pairs * costs.pair_flops / (mm / 2)
     return 1e3 * (gemm + attention) + args.overhead_ms
 
 
@@ -55,10 +100,21 @@ def simulate(args) -> dict:
     )
     buckets = BucketTable.from_config(config, "pallas")
     block_size = config.kv_cache.block_size
+    model = model_costs(args.shape)
+    layout = kv_layout(model.windows, keep_window_only=not args.no_sliding_window_kv)
+    page_bytes = block_size * layout.layers_per_page * model.kv_bytes
+    if args.kv_gib is not None:
+        num_pages = int(args.kv_gib * 2**30 // page_bytes)
+    else:  # --kv-tokens: a pool of that many tokens of every layer
+        num_pages = 1 + args.kv_tokens * len(model.windows) // (layout.layers_per_page * block_size)
     # Bucket-aware admission as the engine does it, with this model's cost of each decode size on padding.
-    costs = {size: step_cost_ms(size, size, 0, 0, args) for size in buckets.decode_batch_sizes}
-    manager = BlockManager(1 + args.kv_tokens // block_size, block_size)
+    costs = {size: step_cost_ms(model, size, size, [], [], args) for size in buckets.decode_batch_sizes}
+    manager = BlockManager(num_pages, block_size, layout=layout)
     scheduler = Scheduler(config, manager, decode_costs=None if args.no_bucket_aware_admission else costs)
+    print(
+        f"{args.shape}: KV pool {num_pages} pages of {block_size} tokens x {layout.layers_per_page} layers "
+        f"({num_pages * page_bytes / 2**30:.2f} GiB, {layout.num_groups} layer group(s))"
+    )
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     for i in range(args.num_requests):
@@ -66,7 +122,7 @@ def simulate(args) -> dict:
         scheduler.add(Request(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
     kinds: dict[str, list[float]] = collections.defaultdict(list)
     decode_rows, decode_padded = [], []
-    steps = 0
+    steps = most_running = 0
     while scheduler.has_unfinished():
         batch = scheduler.schedule()
         if batch.is_empty:
@@ -75,10 +131,11 @@ def simulate(args) -> dict:
         num_tokens = sum(row.num_tokens for row in rows)
         decode_only = batch.is_decode_only
         bucket = buckets.lookup(num_tokens, len(rows), decode_only)
-        kv_read = sum(row.start + row.num_tokens for row in rows if row.num_tokens == 1)
-        pairs = sum(row.num_tokens * row.start + row.num_tokens * (row.num_tokens + 1) // 2 for row in rows)
-        cost = step_cost_ms(bucket.num_tokens, bucket.num_seqs, kv_read, pairs if not decode_only else 0, args)
+        decodes = [(row.start, 1) for row in rows if row.num_tokens == 1]
+        prefills = [(row.start, row.num_tokens) for row in rows if row.num_tokens > 1]
+        cost = step_cost_ms(model, bucket.num_tokens, bucket.num_seqs, decodes, prefills, args)
         kinds["decode" if decode_only else "mixed"].append(cost)
+        most_running = max(most_running, len(scheduler.running))
         if decode_only:
             decode_rows.append(len(rows))
             decode_padded.append(bucket.num_seqs)
@@ -91,6 +148,7 @@ def simulate(args) -> dict:
         "decode_rows_mean": float(np.mean(decode_rows)) if decode_rows else 0.0,
         "decode_padding": 1 - sum(decode_rows) / sum(decode_padded) if decode_padded else 0.0,
         "preemptions": scheduler.num_preemptions,
+        "most_running": most_running,
         "elapsed_s": elapsed,
         "output_tok_per_s": args.num_requests * args.output_len / elapsed,
     }
@@ -105,7 +163,14 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=512)
     parser.add_argument("--input-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=1000)
-    parser.add_argument("--kv-tokens", type=int, default=830_752, help="the KV pool (default: the 8B on an H200)")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=list(shapes.SHAPES), help="the model's shape")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=830_752, help="the KV pool in tokens of every layer (default: the 8B, H200)"
+    )
+    parser.add_argument("--kv-gib", type=float, default=None, help="the KV pool in GiB (instead of --kv-tokens)")
+    parser.add_argument(
+        "--no-sliding-window-kv", action="store_true", help="every layer keeps every token's KV (KvCacheConfig)"
+    )
     parser.add_argument("--max-batch-size", type=int, default=1024)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--max-seq-len", type=int, default=2176)
@@ -125,7 +190,7 @@ def main() -> None:
         print(f"{kind:>8} steps {count:6d}  {seconds:7.2f} s  ({1e3 * seconds / count:.2f} ms each)")
     print(
         f"decode rows mean {result['decode_rows_mean']:.1f}, padding {100 * result['decode_padding']:.1f}%; "
-        f"preemptions {result['preemptions']}"
+        f"preemptions {result['preemptions']}; at most {result['most_running']} requests running"
     )
     print(f"estimated {result['elapsed_s']:.2f} s, {result['output_tok_per_s']:.0f} output tok/s")
 
