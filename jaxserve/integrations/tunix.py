@@ -118,8 +118,8 @@ def _gemma_common(config: Any, kinds: list[str], max_position_embeddings: int) -
 
 def gemma_hf_config(config: gemma.ModelConfig, max_position_embeddings: int) -> dict[str, Any]:
     """The Hugging Face config of the model a tunix Gemma computes: a Gemma when it has no post norms,
-    soft-caps or sliding layers, a Gemma 2 when it has both post norms and both soft-caps (its layer kinds
-    from `attention_types`).
+    soft-caps or sliding layers, a Gemma 2 when it has both post norms (its layer kinds from
+    `attention_types`, its soft-caps as set: None written as null, which means no cap).
 
     tunix scales the queries by head_dim ** -0.5 and rotates them with `apply_rope`'s default base whatever
     the version, so a Gemma 2's query_pre_attn_scalar is head_dim and its rope_theta that default."""
@@ -135,15 +135,14 @@ def gemma_hf_config(config: gemma.ModelConfig, max_position_embeddings: int) -> 
     }
     if post_norms == (False, False) and set(kinds) == {"full_attention"} and all(c is None for c in caps.values()):
         return {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", **hf}
-    if post_norms == (True, True) and all(c is not None for c in caps.values()):
+    if post_norms == (True, True):
         extra = {"query_pre_attn_scalar": config.head_dim, "layer_types": kinds, **caps}
         return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **hf, **extra}
     raise ValueError(
         f"a tunix Gemma with use_post_attn_norm={post_norms[0]}, use_post_ffw_norm={post_norms[1]}, "
         f"attn_logits_soft_cap={caps['attn_logit_softcapping']}, final_logit_softcap={caps['final_logit_softcapping']} "
         f"and {sorted(set(kinds))} layers is neither a Gemma (no post norms, soft-caps or sliding layers) nor a "
-        "Gemma 2 (both post norms and both soft-caps; jaxserve's Gemma 2 config reads an absent soft-cap as "
-        "transformers' default)"
+        "Gemma 2 (both post norms)"
     )
 
 

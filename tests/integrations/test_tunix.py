@@ -8,6 +8,7 @@ Needs google-tunix (`pip install -e ".[tunix]"`; CI runs this file in its Python
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,6 +31,7 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from jaxserve.config import CompileConfig  # noqa: E402
 from jaxserve.integrations.tunix import JaxserveRollout, gemma3_hf_config, gemma_hf_config  # noqa: E402
+from jaxserve.models import registry  # noqa: E402
 
 pytestmark = pytest.mark.needs_tunix
 
@@ -268,6 +270,13 @@ def test_gemma_configs_without_a_hugging_face_counterpart_are_refused():
     )
     with pytest.raises(ValueError, match="use_post_attn_norm=True, use_post_ffw_norm=False.* is neither a Gemma"):
         gemma_hf_config(half, 64)
+    # Both post norms and no soft-caps: a Gemma 2 whose caps are written null, which jaxserve reads as none.
+    uncapped = dataclasses.replace(half, use_post_ffw_norm=True, attn_logits_soft_cap=None)
+    hf = gemma_hf_config(uncapped, 64)
+    assert hf["model_type"] == "gemma2"
+    assert hf["attn_logit_softcapping"] is None and hf["final_logit_softcapping"] is None
+    _, cfg = registry.resolve(hf)
+    assert cfg.final_logit_soft_cap is None and all(layer.soft_cap is None for layer in cfg.attention_layers)
     scaled = gemma3.ModelConfig(
         num_layers=1, num_embed=VOCAB, embed_dim=64, hidden_dim=96, num_heads=4, head_dim=16, num_kv_heads=1,
         sliding_window_size=8, local_scale_factor=2.0,
