@@ -17,7 +17,8 @@
 #                                             # --engine-thread; INTERVALS="8 1": one server each; NO_BENCH=1)
 #   bash benchmarks/gpu_engine.sh profile     # the decode step kernel by kernel against its floors (step_profile.py)
 #   bash benchmarks/gpu_engine.sh parity      # greedy tokens of the pallas and xla backends (backend_parity.py)
-#   bash benchmarks/gpu_engine.sh kernels     # the attention kernels against their reference (kernel_check.py)
+#   bash benchmarks/gpu_engine.sh kernels     # the attention kernels against their reference (kernel_check.py;
+#                                             # HEAD_DIMS=256: those cases only)
 # `throughput` starts from an empty compile cache ($JAXSERVE_CACHE/xla removed) so its first run is the cold
 # warmup. Results: each bench's JSON in $OUT/NAME.json, its steps in $OUT/NAME.steps.jsonl summarised by
 # iteration_summary.py, full logs in $OUT/*.log; `profile` writes $OUT/profile_<name>.{txt,csv,log} and its
@@ -111,7 +112,7 @@ case "${1:-}" in
     [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256 120 "${B[@]}"
     [ -n "${NO_BENCH:-}" ] || bench_run t1024_at_256_c256 120 "${B[@]}" --max-concurrency 256  # the clients' closed loop
     ;;
-  kernels) timeout 300 python3 benchmarks/kernel_check.py ;;
+  kernels) timeout 300 python3 benchmarks/kernel_check.py --head-dims "${HEAD_DIMS:-128,256}" ;;
   parity)  # SmolLM2-135M-Instruct, real weights (fetched into ~/.cache/jaxserve on first use), float32
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"

@@ -1,7 +1,8 @@
 """The attention kernels compiled for the GPU (not interpret mode) against their jnp reference, for the options
 the model families use: head dims 128 and 256, sliding windows, logit soft-caps, decode-only and mixed batches.
 
-    python benchmarks/kernel_check.py        # one line per case, then a JSON summary; exit 1 on a mismatch
+    python benchmarks/kernel_check.py [--head-dims 128,256]   # one line per case, then a JSON summary; exit 1 on
+                                                              # a mismatch
 
 Each case is a ragged batch of 8 sequences (kv lengths up to 1,500 tokens, a window of 256 below them) over a
 shuffled block pool, float32 and bfloat16. q is scaled so that the logits reach about 30: a soft-cap of 20 binds.
@@ -9,6 +10,7 @@ shuffled block pool, float32 and bfloat16. q is scaled so that the logits reach 
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -37,6 +39,9 @@ def batch(rng, head_dim: int, decode: bool, dtype, max_kv: int):
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", default="128,256", help="comma-separated head dims to check")
+    head_dims = tuple(int(d) for d in parser.parse_args().head_dims.split(","))
     # A CPU has no Triton: there the kernels run in interpret mode over short sequences (a smoke run of this script).
     interpret = jax.default_backend() == "cpu"
     max_kv = 64 if interpret else 1500
@@ -45,7 +50,7 @@ def main() -> int:
     print("device", jax.devices()[0].device_kind, "jax", jax.__version__)
     failures, cases = [], 0
     for head_dim, decode, window, cap, dtype in itertools.product(
-        (128, 256), (True, False), (None, 256), (None, 20.0), (jnp.float32, jnp.bfloat16)
+        head_dims, (True, False), (None, 256), (None, 20.0), (jnp.float32, jnp.bfloat16)
     ):
         args = batch(rng, head_dim, decode, dtype, max_kv)
         options = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
