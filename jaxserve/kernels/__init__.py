@@ -9,13 +9,25 @@ after each residual add (jaxserve/models/attention.py, `rope_attention` and `add
 
 from .add_rms_norm import add_rms_norm, add_rms_norm_reference
 from .attention import ragged_paged_attention
+from .moe import (
+    MoeTiling,
+    grouped_gate_up,
+    grouped_gate_up_reference,
+    grouped_matmul,
+    grouped_matmul_reference,
+)
 from .reference import ragged_paged_attention_reference, rope_write_kv_reference, write_kv_reference
 from .rope_write_kv import rope_write_kv
 from .write_kv import write_kv
 
 __all__ = [
+    "MoeTiling",
     "add_rms_norm",
     "add_rms_norm_reference",
+    "grouped_gate_up",
+    "grouped_gate_up_reference",
+    "grouped_matmul",
+    "grouped_matmul_reference",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "rope_write_kv",

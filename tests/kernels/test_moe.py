@@ -1,0 +1,236 @@
+"""The MoE grouped GEMMs (Pallas, interpret mode) against their references (`jax.lax.ragged_dot`): random
+ragged groups, empty groups, one-row groups, all rows in one group, tile-aligned groups, sums past R (cut as
+ragged_dot cuts them) and padding rows after the groups; float32 bit for bit on small integer-valued inputs
+(every product and sum exact, so the order of the additions cannot matter), bfloat16 within its rounding.
+Each shape compiles once and runs every routing: group sizes are data. The tile table against a plain
+Python one; bad inputs are clear errors; both kernels lower for an H200 as one Triton launch each.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from jaxserve import kernels as pk
+from jaxserve.kernels import moe
+
+E = 5
+# (rows, Din, Dout, tiling): Din and Dout cut by their blocks (masked loads and stores), then multiples of them.
+SHAPES = [
+    (40, 48, 40, moe.MoeTiling(block_m=16, block_n=16, block_k=32, group_m=2)),
+    (64, 64, 32, moe.MoeTiling(block_m=16, block_n=16, block_k=16, group_m=4)),
+]
+ROUTINGS = {
+    "ragged": [7, 0, 13, 1, 9],  # padding after them
+    "one_group": [0, 0, 0, 0, 0],  # all rows in expert 2 (set below)
+    "one_row_groups": [1, 1, 1, 1, 1],
+    "all_padding": [0, 0, 0, 0, 0],
+    "tile_aligned": [16, 16, 0, 0, 0],
+    "past_rows": [30, 30, 5, 0, 0],  # sum > R: cut at R
+}
+
+
+def _sizes(name: str, rows: int) -> jax.Array:
+    sizes = list(ROUTINGS[name])
+    if name == "one_group":
+        sizes[2] = rows
+    if name == "ragged":
+        sizes = [s * rows // 40 for s in sizes]
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def _random_sizes(rng: np.random.Generator, rows: int) -> jax.Array:
+    """E sizes with a random total <= rows, some of them empty."""
+    cuts = np.sort(rng.integers(0, rows + 1, E))
+    sizes = np.diff(np.concatenate([[0], cuts])) * (rng.random(E) < 0.8)
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def _integer_inputs(rows: int, din: int, dout: int, fused: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lhs = rng.integers(-3, 4, (rows, din)).astype(np.float32)
+    rhs = rng.integers(-3, 4, (E, din, 2, dout) if fused else (E, din, dout)).astype(np.float32)
+    return jnp.asarray(lhs), jnp.asarray(rhs)
+
+
+def _compiled(fused: bool, lhs, rhs, tiling):
+    """The kernel compiled once for these shapes (group sizes vary per call), and its reference."""
+    kernel = functools.partial(pk.grouped_gate_up if fused else pk.grouped_matmul, interpret=True, tiling=tiling)
+    reference = pk.grouped_gate_up_reference if fused else pk.grouped_matmul_reference
+    sizes = jax.ShapeDtypeStruct((E,), jnp.int32)
+    return jax.jit(kernel).lower(lhs, rhs, sizes).compile(), jax.jit(reference)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["masked", "aligned"])
+def test_float32_bit_for_bit(shape, fused):
+    rows, din, dout, tiling = shape
+    lhs, rhs = _integer_inputs(rows, din, dout, fused)
+    kernel, reference = _compiled(fused, lhs, rhs, tiling)
+    rng = np.random.default_rng(rows)
+    cases = {name: _sizes(name, rows) for name in ROUTINGS} | {f"random{i}": _random_sizes(rng, rows) for i in range(4)}
+    for name, sizes in cases.items():
+        out, want = kernel(lhs, rhs, sizes), reference(lhs, rhs, sizes)
+        assert out.dtype == jnp.float32 and out.shape == (rows, dout)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want), err_msg=f"{name}: {sizes.tolist()}")
+        used = min(int(jnp.maximum(sizes, 0).sum()), rows)
+        assert not np.asarray(out[used:]).any(), name
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
+def test_bfloat16_within_rounding(fused):
+    """Against the float32 reference of the same bf16 values: one bf16 rounding of the output apart."""
+    rows, din, dout, tiling = SHAPES[0]
+    rng = np.random.default_rng(1)
+    lhs = jnp.asarray(rng.standard_normal((rows, din)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((E, din, 2, dout) if fused else (E, din, dout)) / din**0.5, jnp.bfloat16)
+    kernel, reference = _compiled(fused, lhs, rhs, tiling)
+    for sizes in (_sizes("ragged", rows), _sizes("one_row_groups", rows), _random_sizes(rng, rows)):
+        out = kernel(lhs, rhs, sizes)
+        assert out.dtype == jnp.bfloat16
+        want = np.asarray(reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes))
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2**-8, atol=1e-3)
+        # The bf16 reference (what the model's XLA path computes) agrees as closely.
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(reference(lhs, rhs, sizes), np.float32), 2**-7, 1e-3
+        )
+
+
+def test_padding_rows_are_not_read():
+    """NaN in the padding rows: they come out as zeros, every routed row is finite."""
+    rows, din, dout, tiling = SHAPES[0]
+    lhs, rhs = _integer_inputs(rows, din, dout, fused=False)
+    sizes = _sizes("ragged", rows)
+    used = int(sizes.sum())
+    out = pk.grouped_matmul(lhs.at[used:].set(jnp.nan), rhs, sizes, interpret=True, tiling=tiling)
+    np.testing.assert_array_equal(np.asarray(out[used:]), 0.0)
+    np.testing.assert_array_equal(
+        np.asarray(out[:used]), np.asarray(pk.grouped_matmul_reference(lhs, rhs, sizes))[:used]
+    )
+
+
+def test_default_tiling_follows_rows_per_expert():
+    assert pk.grouped_matmul(jnp.zeros((0, 16)), jnp.zeros((E, 16, 8)), jnp.zeros(E, jnp.int32)).shape == (0, 8)
+    assert moe.default_moe_tiling(64, 128).block_m == 16  # decode: 8 tokens x top-8
+    assert moe.default_moe_tiling(8192, 128).block_m == 64
+    assert moe.default_moe_tiling(65536, 128).block_m == 128
+
+
+def _python_table(sizes: list[int], rows: int, block_m: int) -> list[tuple[int, int, int]]:
+    """(group, row_start, row_end) of each used tile, by a loop over the groups."""
+    tiles, start = [], 0
+    for g, size in enumerate([*sizes, None]):
+        end = rows if size is None else min(start + max(size, 0), rows)
+        tiles += [(g, s, end) for s in range(start, end, block_m)]
+        start = end
+    return tiles
+
+
+@pytest.mark.parametrize(
+    "sizes,rows,block_m",
+    [
+        ([0, 0, 0], 10, 4),  # only padding: three zero tiles
+        ([0, 0, 0], 0, 4),  # no rows, no tiles
+        ([1, 1, 1], 3, 16),  # one row each, no padding
+        ([4, 4, 5], 13, 4),  # tile-aligned, then a one-row tile
+        ([0, 9, 0], 9, 4),  # one group of everything
+        ([7, 7, 7], 10, 4),  # past R: the second group cut at R, the third empty
+        ([-2, 3, 0], 5, 2),  # negative sizes count as 0
+    ],
+)
+def test_tile_table_edge_cases(sizes, rows, block_m):
+    table = moe.tile_table(jnp.asarray(sizes, jnp.int32), rows, block_m)
+    want = _python_table(sizes, rows, block_m)
+    used = int(table.num_tiles[0])
+    got = list(zip(*(np.asarray(a[:used]).tolist() for a in table[:3]), strict=True))
+    assert got == want
+    assert table.group.shape == (moe.max_tiles(rows, len(sizes), block_m),)
+    unused = np.stack([np.asarray(a[used:]) for a in table[:3]])
+    assert (unused == np.array([[len(sizes)], [rows], [rows]])).all()
+
+
+def test_tile_table_random_routings_fit_the_slots():
+    rng = np.random.default_rng(0)
+    table = jax.jit(moe.tile_table, static_argnames=("num_rows", "block_m"))
+    for e, rows, block_m in ((1, 7, 4), (3, 40, 1), (8, 64, 16), (8, 5, 16), (7, 77, 4)):
+        for _ in range(20):
+            sizes = rng.integers(0, rows + 1, e) * (rng.random(e) < 0.6)
+            got = table(jnp.asarray(sizes, jnp.int32), num_rows=rows, block_m=block_m)
+            want = _python_table(sizes.tolist(), rows, block_m)
+            assert int(got.num_tiles[0]) == len(want) <= moe.max_tiles(rows, e, block_m)
+            assert list(zip(*(np.asarray(a[: len(want)]).tolist() for a in got[:3]), strict=True)) == want
+
+
+@pytest.mark.parametrize(
+    "change,error,message",
+    [
+        (dict(lhs=jnp.zeros((2, 3, 16))), ValueError, r"lhs must be \[R, Din\]"),
+        (dict(rhs=jnp.zeros((E, 8, 8))), ValueError, r"rhs must be \[E, Din, Dout\] with lhs's width 16"),
+        (dict(group_sizes=jnp.zeros(E + 1, jnp.int32)), ValueError, r"group_sizes must be \[E\]=\[5\]"),
+        (dict(group_sizes=jnp.zeros(E, jnp.int16)), TypeError, "group_sizes must be int32"),
+        (dict(rhs=jnp.zeros((E, 16, 8), jnp.bfloat16)), TypeError, "must have lhs's dtype"),
+        (dict(lhs=jnp.zeros((4, 16), jnp.int32), rhs=jnp.zeros((E, 16, 8), jnp.int32)), TypeError, "lhs dtype"),
+        (dict(lhs=jax.ShapeDtypeStruct((1 << 27, 16), jnp.float32)), ValueError, "fewer than 2..31 elements"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(change, error, message):
+    args = dict(lhs=jnp.zeros((4, 16)), rhs=jnp.zeros((E, 16, 8)), group_sizes=jnp.zeros(E, jnp.int32))
+    args.update(change)
+    with pytest.raises(error, match=message):
+        pk.grouped_matmul(**args, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(block_m=8), r"block_m must be a power of two in \[16, 256\]"),
+        (dict(block_k=96), "block_k must be a power of two"),
+        (dict(group_m=0), "group_m must be a power of two"),
+        (dict(num_stages=0), r"num_stages must be in \[1, 6\]"),
+    ],
+)
+def test_bad_tiling_is_a_clear_error(fields, message):
+    with pytest.raises(ValueError, match=message):
+        moe.MoeTiling(**fields)
+
+
+def test_gate_up_needs_the_pair_axis():
+    with pytest.raises(ValueError, match=r"rhs must be \[E, D, 2, F\]"):
+        pk.grouped_gate_up(jnp.zeros((4, 16)), jnp.zeros((E, 16, 3, 8)), jnp.zeros(E, jnp.int32), interpret=True)
+
+
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
+def test_lowers_for_cuda_as_one_launch(fused, dtype, capsys, monkeypatch):
+    """Qwen3-30B-A3B's expert shapes at a decode and a prefill bucket: one Triton launch, one dot per weight
+    tile in the K loop (two when fused), float32 dots at IEEE precision (no TF32)."""
+    monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))  # prints the IR
+    experts, d, f = 128, 2048, 768
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for rows in (64, 8192):
+        lhs = jax.ShapeDtypeStruct((rows, d if fused else f), dtype)
+        rhs = jax.ShapeDtypeStruct((experts, d, 2, f) if fused else (experts, f, d), dtype)
+        fn = jax.jit(pk.grouped_gate_up if fused else pk.grouped_matmul)
+        capsys.readouterr()
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)):
+            exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+                lhs, rhs, jax.ShapeDtypeStruct((experts,), jnp.int32)
+            )
+        assert exported.mlir_module().count("xla.gpu.triton") == 1
+        ir = capsys.readouterr().out
+        assert f"tt.func public @moe_{'gate_up' if fused else 'matmul'}" in ir
+        tiling = moe.default_moe_tiling(rows, experts)
+        m, n = tiling.block_m, tiling.block_n
+        dots = re.findall(rf"tt.dot .* -> tensor<{m}x{n}xf32>", ir)
+        assert len(dots) == (2 if fused else 1), ir
+        assert re.findall(r"inputPrecision = (\w+)", ir) == []  # IEEE is the default and not printed
+        assert ir.count("scf.for") == 1
