@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -234,3 +235,15 @@ def test_lowers_for_cuda_as_one_launch(fused, dtype, capsys, monkeypatch):
         assert len(dots) == (2 if fused else 1), ir
         assert re.findall(r"inputPrecision = (\w+)", ir) == []  # IEEE is the default and not printed
         assert ir.count("scf.for") == 1
+
+
+def test_docs_example_runs():
+    """The example of docs/kernels.md's MoE section, as written: its shapes and its zero padding rows."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "kernels.md").read_text()
+    section = text.split("## Mixture-of-experts kernels", 1)[1]
+    scope: dict = {}
+    exec(section.split("```python", 1)[1].split("```", 1)[0], scope)  # noqa: S102 - our own docs
+    h, y, sizes = scope["h"], scope["y"], scope["group_sizes"]
+    assert h.shape == (16, 32) and y.shape == (16, 64)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(pk.grouped_matmul_reference(h, scope["w_down"], sizes)))
+    assert not np.asarray(y[13:], np.float32).any()
