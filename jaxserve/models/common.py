@@ -51,11 +51,16 @@ class CheckpointRule:
       - "reshape": reshaped to the field's per-layer shape (biases, norms, embeddings);
       - "skip": tensors the model does not read (a multimodal checkpoint's vision tower); `field` is "" and the
         loader logs how many it skipped.
+    A field stacked over more than the layers (a mixture of experts' [L, E, ...] weights) has one group per
+    stacked axis, in order (layer, then expert). `layers`: for a field stacked over some of the model's layers
+    only (an MoE model's dense layers, or its expert layers), the model layer each slot holds, in order; the
+    pattern's first group is the model's layer index, and a tensor of any other layer is refused.
     """
 
     pattern: str
     field: str
     transform: Literal["linear", "reshape", "skip"] = "reshape"
+    layers: tuple[int, ...] | None = None
 
 
 _KIND_NOUNS = {
@@ -65,6 +70,7 @@ _KIND_NOUNS = {
     "str": "a string",
     "object": "a JSON object",
     "str_list": "a list of strings",
+    "int_list": "a list of ints",
 }
 _KIND_TYPES = {"bool": bool, "str": str, "object": dict}
 
@@ -77,7 +83,7 @@ class ConfigKey:
     ("a number > 0"). A bool is never taken for a number, a float never for an int.
     """
 
-    kind: Literal["int", "number", "bool", "str", "object", "str_list"]
+    kind: Literal["int", "number", "bool", "str", "object", "str_list", "int_list"]
     at_least: float | None = None
     above: float | None = None
 
@@ -100,6 +106,8 @@ class ConfigKey:
             return (self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
         if self.kind == "str_list":
             return isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if self.kind == "int_list":
+            return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         return isinstance(value, _KIND_TYPES[self.kind])
 
 

@@ -44,6 +44,8 @@ ORBAX_PARAMS_DIR = "params"
 # Tensors some checkpoints carry that no model needs: rope tables are recomputed from the config.
 log = logging.getLogger(__name__)
 _HARMLESS_TENSORS = re.compile(r"(.*\.)?rotary_emb\.inv_freq")
+# How errors name a stacked slot's index along each logical axis ("layer 3, expert 5").
+_AXIS_NOUNS = {"layers": "layer", "experts": "expert"}
 # A directory holds a tokenizer when it has one of these (generation_config.json alone is not one).
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Files that make a directory's tokenizer (copied next to an orbax checkpoint).
@@ -280,6 +282,33 @@ class _Field:
     def slot_shape(self) -> tuple[int, ...]:
         return self.spec.shape[self.depth :]
 
+    def model_index(self, slot: tuple[int, ...]) -> tuple[int, ...]:
+        """The regex groups' values (model layer, expert, ...) of a stacked slot."""
+        layers = self.rule.layers
+        return slot if layers is None or not slot else (layers[slot[0]], *slot[1:])
+
+    def where(self, slot: tuple[int, ...]) -> str:
+        """A slot in words, e.g. "layer 3, expert 5", by the logical axes of the stacked dims."""
+        nouns = [_AXIS_NOUNS.get(axis, str(axis)) for axis in self.spec.logical_axes[: self.depth]]
+        return ", ".join(f"{noun} {i}" for noun, i in zip(nouns, self.model_index(slot), strict=True))
+
+    def slot(self, name: str, index: tuple[int, ...]) -> tuple[int, ...]:
+        """The stacked slot that tensor `name` (its regex groups: `index`) fills; a ValueError for a layer the field
+        does not hold or an index beyond the config's."""
+        layers = self.rule.layers
+        if layers is not None:
+            if index[0] not in layers:
+                raise ValueError(
+                    f"unexpected tensor {name}: layer {index[0]} has no {self.rule.field} in this config (the layers "
+                    f"that have: {list(layers)})"
+                )
+            index = (layers.index(index[0]), *index[1:])
+        nouns = [_AXIS_NOUNS.get(axis, str(axis)) for axis in self.spec.logical_axes[: self.depth]]
+        for noun, i, n in zip(nouns, index, self.spec.shape[: self.depth], strict=True):
+            if i >= n:
+                raise ValueError(f"tensor {name}: {noun} {i} out of range, the config has {n} ({self.rule.field})")
+        return index
+
 
 def _match(name: str, rules: list[tuple[re.Pattern, CheckpointRule]]) -> tuple[CheckpointRule, tuple[int, ...]] | None:
     matches = [(rule, m) for pattern, rule in rules if (m := pattern.fullmatch(name))]
@@ -325,31 +354,33 @@ def _place(name: str, array: np.ndarray, fields: dict[str, _Field], rules: list)
     field = fields.get(rule.field)
     if field is None:
         raise ValueError(f"unexpected tensor {name}: field {rule.field} is absent in this model's config")
-    leading = field.spec.shape[: field.depth]
-    if any(i >= n for i, n in zip(index, leading, strict=True)):
-        raise ValueError(f"tensor {name}: index {index} out of range, the config has {leading} ({field.rule.field})")
-    if index in field.source:
-        raise ValueError(f"duplicate tensor for field {rule.field} at {index}: {field.source[index]} and {name}")
-    field.data[index] = _to_field_layout(name, np.asarray(array), rule, field.slot_shape)
-    field.source[index] = name
+    slot = field.slot(name, index)
+    if slot in field.source:
+        raise ValueError(
+            f"duplicate tensor for field {rule.field} at {field.where(slot)}: {field.source[slot]} and {name}"
+        )
+    field.data[slot] = _to_field_layout(name, np.asarray(array), rule, field.slot_shape)
+    field.source[slot] = name
     return True
 
 
 def _check_complete(fields: dict[str, _Field]) -> None:
     stacked = [f for f in fields.values() if f.depth]
     if stacked:
-        num_layers = stacked[0].spec.shape[0]
-        seen = {index[0] for f in stacked for index in f.source}
-        missing_layers = sorted(set(range(num_layers)) - seen)
+        # Every model layer: those of the fields stacked over all of them, and of those over some of them.
+        layers = set().union(*(f.rule.layers or range(f.spec.shape[0]) for f in stacked))
+        seen = {f.model_index(slot)[0] for f in stacked for slot in f.source}
+        missing_layers = sorted(layers - seen)
         if missing_layers:
             raise ValueError(
-                f"missing layer {missing_layers[0]}: no tensors for layers {missing_layers} of {num_layers}"
+                f"missing layer {missing_layers[0]}: no tensors for layers {missing_layers} of {len(layers)}"
             )
     for path, field in fields.items():
-        for index in np.ndindex(*field.spec.shape[: field.depth]):
-            if index not in field.source:
-                where = f", layer {index[0]}" if index else ""
-                raise ValueError(f"missing tensor {_example_name(field.rule.pattern, index)} (field {path}{where})")
+        for slot in np.ndindex(*field.spec.shape[: field.depth]):
+            if slot not in field.source:
+                name = _example_name(field.rule.pattern, field.model_index(slot))
+                where = f", {field.where(slot)}" if slot else ""
+                raise ValueError(f"missing tensor {name} (field {path}{where})")
 
 
 def _assemble(

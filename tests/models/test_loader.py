@@ -190,7 +190,9 @@ def test_missing_layer_is_named(tmp_path, tiny_llama):
 def test_layer_beyond_the_config_is_named(tmp_path, tiny_llama):
     extra = {"model.layers.2.input_layernorm.weight": tiny_llama.tensors["model.layers.0.input_layernorm.weight"]}
     directory = write_checkpoint(tmp_path / "three_layers", tiny_llama.config, [tiny_llama.tensors | extra])
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.input_layernorm\.weight: index \(2,\) out of range"):
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.2\.input_layernorm\.weight: layer 2 out of range, the config has 2"
+    ):
         load_model(directory)
 
 
@@ -284,12 +286,12 @@ def test_rules_with_two_stacked_axes():
     # Two names for one slot (the layer regex also matches a zero-padded index).
     padded = tensors | {"layers.01.experts.2.up.weight": tensors["layers.1.experts.2.up.weight"]}
     with pytest.raises(
-        ValueError, match=r"duplicate tensor for field experts at \(1, 2\): layers\.1\..* and layers\.01\."
+        ValueError, match=r"duplicate tensor for field experts at layer 1, expert 2: layers\.1\..* and layers\.01\."
     ):
         load_from_tensors(_fake_family(), None, padded, "float32")
     del tensors["layers.1.experts.0.up.weight"]
     with pytest.raises(
-        ValueError, match=r"missing tensor layers\.1\.experts\.0\.up\.weight \(field experts, layer 1\)"
+        ValueError, match=r"missing tensor layers\.1\.experts\.0\.up\.weight \(field experts, layer 1, expert 0\)"
     ):
         load_from_tensors(_fake_family(), None, tensors, "float32")
 
