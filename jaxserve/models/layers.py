@@ -1,4 +1,5 @@
-"""What a family declares about each decoder layer's attention, for the code that reads it without knowing the family.
+"""What a family declares about each decoder layer (its attention and its MLP), for the code that reads it without
+knowing the family.
 
 A family's config has `attention_layers`: one `LayerAttention` per decoder layer (its window, rope, query
 scale and logit soft-cap). The forward passes each layer's options to the attention kernels at trace time
@@ -6,6 +7,10 @@ scale and logit soft-cap). The forward passes each layer's options to the attent
 partitions the layers by KV policy: layers with the same window keep the same span of each sequence's KV.
 Gemma 2 alternates sliding and full layers; Gemma 3 has five sliding layers to one full; Mistral's are all
 sliding; Llama's and Qwen's all full.
+
+A mixture-of-experts family also has `mlp_layers`: one `LayerMlp` per layer, a dense gated MLP or a mixture of
+experts (Qwen2-MoE and Qwen3-MoE mix both kinds through `decoder_sparse_step` and `mlp_only_layers`). The
+forward reads each layer's declaration at trace time, as it reads the attention's.
 """
 
 from __future__ import annotations
@@ -46,3 +51,36 @@ def layer_groups(layers: tuple[LayerAttention, ...]) -> dict[int | None, tuple[i
     for index, layer in enumerate(layers):
         groups.setdefault(layer.sliding_window, []).append(index)
     return {window: tuple(indices) for window, indices in groups.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMlp:
+    """One layer's MLP: dense (num_experts None: a SwiGLU MLP of width intermediate_size) or a mixture of
+    experts (num_experts routed experts of width intermediate_size, each token takes the top_k by router
+    softmax, their weights renormalised to sum 1 when normalize_top_k, plus an always-on shared expert of width
+    shared_intermediate_size scaled by a sigmoid gate when that is given: Qwen2-MoE's). Frozen and hashable: a
+    jit static argument."""
+
+    intermediate_size: int
+    num_experts: int | None = None
+    top_k: int = 1
+    normalize_top_k: bool = False
+    shared_intermediate_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+        if self.num_experts is None:
+            if self.shared_intermediate_size is not None:
+                raise ValueError("shared_intermediate_size is for a mixture of experts; a dense MLP has none")
+            return
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be None (a dense MLP) or >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.shared_intermediate_size is not None and self.shared_intermediate_size < 1:
+            raise ValueError(f"shared_intermediate_size must be None or >= 1, got {self.shared_intermediate_size}")
+
+    @property
+    def kind(self) -> Literal["dense", "moe"]:
+        return "dense" if self.num_experts is None else "moe"

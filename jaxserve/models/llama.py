@@ -361,21 +361,30 @@ def _layer_fuser(cfg: LlamaConfig, dtype: Any, shardings: ServingLayer | None) -
     return jax.jit(partial(_serving_layer, cfg=cfg, dtype=dtype), out_shardings=shardings)
 
 
-def _serving_layer(layer: LayerWeights, cfg: LlamaConfig, dtype: Any) -> ServingLayer:
-    """One layer's checkpoint-layout weights (no L axis) fused into a ServingLayer."""
+def fuse_qkv(
+    layer: Any, cfg: LlamaConfig, cast: Any
+) -> tuple[Float[Array, "D K G+2 Dh"], Float[Array, "K G+2 Dh"] | None]:
+    """wqkv and bqkv (None without biases) of one layer's wq, wk, wv, bq, bk, bv (checkpoint layout, no L axis;
+    `layer`: LayerWeights or another family's layer with those fields), grouped by kv head, through `cast`."""
     d, k, dh = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // k
-    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
 
     def grouped(q: Array, key: Array, value: Array, lead: tuple[int, ...]) -> Array:
         q = q.reshape(*lead, k, g, dh)
         return cast(jnp.concatenate([q, key[..., None, :], value[..., None, :]], axis=-2))
 
     bias = None if layer.bq is None else grouped(layer.bq, layer.bk, layer.bv, ())
+    return grouped(layer.wq, layer.wk, layer.wv, (d,)), bias
+
+
+def _serving_layer(layer: LayerWeights, cfg: LlamaConfig, dtype: Any) -> ServingLayer:
+    """One layer's checkpoint-layout weights (no L axis) fused into a ServingLayer."""
+    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+    wqkv, bqkv = fuse_qkv(layer, cfg, cast)
     return ServingLayer(
         attn_norm=cast(layer.attn_norm),
-        wqkv=grouped(layer.wq, layer.wk, layer.wv, (d,)),
-        bqkv=bias,
+        wqkv=wqkv,
+        bqkv=bqkv,
         q_norm=None if layer.q_norm is None else cast(layer.q_norm),
         k_norm=None if layer.k_norm is None else cast(layer.k_norm),
         wo=cast(layer.wo),
@@ -447,7 +456,8 @@ def attention_block(
     attn_meta: AttentionMetadata,
     cfg: LlamaConfig,
 ) -> tuple[Float[Array, "T D"], KVCache]:
-    """Self-attention of one layer on the normed input x."""
+    """Self-attention of one layer on the normed input x. `layer`: a ServingLayer, or another family's serving
+    layer with its attention fields (wqkv, bqkv, q_norm, k_norm, wo: the MoE families' `MoeServingLayer`)."""
     qkv = jnp.einsum("td,dkge->tkge", x, layer.wqkv)  # one GEMM for q, k and v
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv

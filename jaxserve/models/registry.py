@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 from jaxtyping import Array, Float, Int
 
-from jaxserve.models import gemma, llama
+from jaxserve.models import gemma, llama, llama_moe
 from jaxserve.models.attention import AttentionMetadata, KVCache
 from jaxserve.models.common import CheckpointRule, ConfigKey, check_config_keys
 from jaxserve.models.layers import LayerAttention
@@ -73,7 +73,11 @@ class ModelFamily(Protocol):
 
 # Each family module with its config class; the family's ARCHITECTURES maps the Hugging Face architectures
 # it runs to their model_type.
-_FAMILIES: tuple[tuple[ModelFamily, Any], ...] = ((llama, llama.LlamaConfig), (gemma, gemma.GemmaConfig))
+_FAMILIES: tuple[tuple[ModelFamily, Any], ...] = (
+    (llama, llama.LlamaConfig),
+    (gemma, gemma.GemmaConfig),
+    (llama_moe, llama_moe.MoeConfig),
+)
 # Architecture name -> (family module, its config class), and model_type -> architecture name.
 _ARCHITECTURES: dict[str, tuple[ModelFamily, Any]] = {
     name: (family, config_cls) for family, config_cls in _FAMILIES for name in family.ARCHITECTURES

@@ -50,6 +50,9 @@ _CONFIG_CLASSES = {
     "gemma": transformers.GemmaConfig,
     "gemma2": transformers.Gemma2Config,
     "gemma3_text": transformers.Gemma3TextConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "qwen2_moe": transformers.Qwen2MoeConfig,
+    "mixtral": transformers.MixtralConfig,
 }
 _ARCHITECTURE_NAMES = {"gemma3_text": "Gemma3ForCausalLM"}
 

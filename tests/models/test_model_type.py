@@ -17,7 +17,7 @@ import transformers
 
 from jaxserve.config import CompileConfig
 from jaxserve.llm import LLM
-from jaxserve.models import gemma, llama, registry
+from jaxserve.models import gemma, llama, llama_moe, registry
 from jaxserve.models.files import ModelFileError
 from jaxserve.models.loader import load_model, save_orbax
 from jaxserve.sampling import SamplingParams
@@ -37,7 +37,8 @@ ENGINE = dict(
 )
 SUPPORTED = (
     r"supported architectures: Gemma2ForCausalLM, .*LlamaForCausalLM, .*; "
-    r"supported model types: gemma, gemma2, gemma3, gemma3_text, llama, mistral, qwen2, qwen3"
+    r"supported model types: gemma, gemma2, gemma3, gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, "
+    r"qwen3_moe"
 )
 
 
@@ -142,7 +143,7 @@ def test_unknown_model_type_is_an_error_naming_the_supported_ones(tmp_path, tiny
 
 
 def test_model_types_are_derived_from_the_familys_architectures():
-    architectures = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES}
+    architectures = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES, **llama_moe.ARCHITECTURES}
     assert registry.supported_model_types() == sorted(set(architectures.values()))
     assert registry.supported_architectures() == sorted(architectures)
     for architecture, model_type in architectures.items():
