@@ -83,7 +83,8 @@ def test_every_shape_resolves_and_shape_returns_a_copy():
     assert shapes.shape("tiny-llama")["vocab_size"] == VOCAB
     with pytest.raises(
         ValueError,
-        match="unknown model shape 'nope'; known shapes: llama-3.1-8b, gemma-3-12b, gemma-2-9b, smollm2-135m",
+        match="unknown model shape .nope.; known shapes: llama-3.1-8b, gemma-3-12b, gemma-2-9b, qwen3-30b-a3b, "
+        "mixtral-8x7b, smollm2-135m",
     ):
         shapes.shape("nope")
 

@@ -110,10 +110,64 @@ GEMMA_2_9B: dict[str, Any] = {
     "eos_token_id": 1,
 }
 
+# Qwen/Qwen3-30B-A3B: 48 layers, each a mixture of 128 experts of width 768 (top 8, renormalised), q/k norm,
+# head dim 128 with 32 query and 4 kv heads.
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_scaling": None,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+# mistralai/Mixtral-8x7B-v0.1: 32 layers, each a mixture of 8 experts of width 14336 (top 2), no window.
+MIXTRAL_8X7B: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1_000_000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": LLAMA_3_1_8B,
     "gemma-3-12b": GEMMA_3_12B,
     "gemma-2-9b": GEMMA_2_9B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "mixtral-8x7b": MIXTRAL_8X7B,
     "smollm2-135m": SMOLLM2_135M,
     "tiny-llama": TINY_LLAMA,
 }

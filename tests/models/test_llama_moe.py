@@ -296,3 +296,33 @@ def test_expert_tensors_missing_out_of_range_or_on_a_dense_layer_are_named(
 
     with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.shared_expert_gate\.weight"):
         load_model(_rewrite(case, tmp_path / "shared", no_shared_gate), dtype="float32")
+
+
+# ---- Random-weight shapes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "total", "active"), [("qwen3-30b-a3b", 30.5, 3.3), ("mixtral-8x7b", 46.7, 12.9)])
+def test_random_weight_shapes_read_as_transformers_reads_them(name: str, total: float, active: float) -> None:
+    """The hub configs' shapes, their layers as transformers builds them, and the published parameter counts
+    (total and active: the experts a token reaches, top_k of num_experts, with everything else), from abstract
+    weights: nothing is allocated."""
+    import transformers
+
+    from jaxserve.models import shapes
+
+    hf = shapes.shape(name)
+    _, cfg = resolve(hf)
+    reference = transformers.AutoConfig.for_model(**hf)
+    experts = cfg.mlp_layers[0]
+    assert cfg.moe_layers == tuple(range(reference.num_hidden_layers))
+    assert experts.num_experts == reference.num_experts and experts.top_k == reference.num_experts_per_tok
+    assert experts.normalize_top_k and cfg.base.sliding_window is None
+    assert (
+        cfg.head_dim == getattr(reference, "head_dim", None) or reference.hidden_size // reference.num_attention_heads
+    )
+    abstract = jax.eval_shape(lambda: llama_moe.init_weights(cfg, jax.random.key(0), jnp.bfloat16))
+    count = sum(np.prod(w.shape) for w in jax.tree.leaves(abstract))
+    routed = sum(np.prod(w.shape) for w in (abstract.experts.w_gate, abstract.experts.w_up, abstract.experts.w_down))
+    reached = count - routed + routed * experts.top_k // experts.num_experts
+    assert abs(count / 1e9 - total) < 0.05, count  # published as 30.5B and 46.7B
+    assert abs(reached / 1e9 - active) < 0.06, reached  # published as 3.3B and 12.9B activated
