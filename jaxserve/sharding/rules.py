@@ -1,5 +1,7 @@
 """Logical axes -> mesh axes: the one rules table that decides how every weight, the KV cache and the
-attention kernels' per-device operands are split.
+attention kernels' per-device operands are split. Mixture-of-experts weights are split by their hidden (tensor-
+parallel experts, the default table) or by expert (`EXPERT_PARALLEL_RULES`, which the functions here take as
+`rules`).
 
 A model declares each weight's logical axes once (`jaxserve.models.common.ParamSpec`), and so does the KV
 pool (`jaxserve.models.attention.paged_cache_specs`); this module maps them onto the mesh. A dimension that
@@ -24,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 # Megatron-style tensor parallelism: heads and MLP hidden split over "model"; the residual stream
 # ("embed") stays whole on every device so norms need no communication; the vocabulary is split so
-# the embedding table and lm_head are not replicated tp times.
+# the embedding table and lm_head are not replicated tp times. Experts are tensor-parallel: every device
+# holds a slice of every expert's hidden ("mlp"), as of a dense MLP.
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "layers": None,
     "vocab": MODEL_AXIS,
@@ -35,20 +38,28 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "mlp": MODEL_AXIS,
     "experts": None,
 }
+# Expert parallelism: each device holds E / tp whole experts. An expert weight's "experts" dimension comes
+# before its "mlp" one and takes the model axis, so "mlp" stays whole there (one mesh axis splits one
+# dimension of a tensor); dense MLPs and attention are split as above.
+EXPERT_PARALLEL_RULES: dict[str, str | None] = {**LOGICAL_AXIS_RULES, "experts": MODEL_AXIS}
+Rules = Mapping[str, str | None]
 
 
-def partition_spec(spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], name: str = "") -> PartitionSpec:
+def partition_spec(
+    spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], name: str = "", rules: Rules | None = None
+) -> PartitionSpec:
     """The PartitionSpec of one weight; dimensions that do not divide their mesh axis are replicated.
 
     mesh: a Mesh or AbstractMesh, or its axis sizes ({"data": 1, "model": 4}) where only the arithmetic
-    is wanted.
+    is wanted. rules: the rules table (None: LOGICAL_AXIS_RULES; EXPERT_PARALLEL_RULES for expert parallelism).
     """
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
     sizes = _axis_sizes(mesh)
     axes: list[str | None] = []
     for dim, logical in zip(spec.shape, spec.logical_axes, strict=True):
-        if logical is not None and logical not in LOGICAL_AXIS_RULES:
-            raise ValueError(f"unknown logical axis {logical!r} in {name or spec}; known: {sorted(LOGICAL_AXIS_RULES)}")
-        mesh_axis = LOGICAL_AXIS_RULES.get(logical) if logical is not None else None
+        if logical is not None and logical not in rules:
+            raise ValueError(f"unknown logical axis {logical!r} in {name or spec}; known: {sorted(rules)}")
+        mesh_axis = rules.get(logical) if logical is not None else None
         if mesh_axis is not None and mesh_axis in axes:
             mesh_axis = None  # a mesh axis may split only one dimension of a tensor
         if mesh_axis is not None and dim % sizes[mesh_axis] != 0:
@@ -65,10 +76,12 @@ def partition_spec(spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int
     return PartitionSpec(*axes)
 
 
-def shard_shape(spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int]) -> tuple[int, ...]:
+def shard_shape(
+    spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], rules: Rules | None = None
+) -> tuple[int, ...]:
     """The shape of one device's shard of a tensor declared by `spec`."""
     sizes = _axis_sizes(mesh)
-    split = partition_spec(spec, mesh)
+    split = partition_spec(spec, mesh, rules=rules)
     return tuple(dim // (sizes[axis] if axis is not None else 1) for dim, axis in zip(spec.shape, split, strict=True))
 
 
@@ -76,16 +89,20 @@ def _axis_sizes(mesh: Mesh | AbstractMesh | Mapping[str, int]) -> Mapping[str, i
     return mesh if isinstance(mesh, Mapping) else mesh.shape
 
 
-def shard_bytes(spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], itemsize: int) -> int:
+def shard_bytes(
+    spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], itemsize: int, rules: Rules | None = None
+) -> int:
     """Bytes of one device's shard of a tensor declared by `spec`."""
-    return math.prod(shard_shape(spec, mesh)) * itemsize
+    return math.prod(shard_shape(spec, mesh, rules)) * itemsize
 
 
-def named_shardings(specs: Any, mesh: Mesh) -> Any:
-    """A tree of NamedSharding parallel to a tree of ParamSpec leaves."""
+def named_shardings(specs: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """A tree of NamedSharding parallel to a tree of ParamSpec leaves, split by `rules` (None: LOGICAL_AXIS_RULES)."""
     leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))[0]
     treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
-    shardings = [NamedSharding(mesh, partition_spec(spec, mesh, jax.tree_util.keystr(path))) for path, spec in leaves]
+    shardings = [
+        NamedSharding(mesh, partition_spec(spec, mesh, jax.tree_util.keystr(path), rules)) for path, spec in leaves
+    ]
     return jax.tree_util.tree_unflatten(treedef, shardings)
 
 

@@ -1,0 +1,87 @@
+"""Mixture-of-experts models on tp=2 and tp=4 CPU meshes, with tensor-parallel experts (the default rules table:
+each expert's hidden split over the model axis) and with expert parallelism (EXPERT_PARALLEL_RULES: whole experts
+split over it), the dense forward partitioned by XLA, give the single-device logits. Qwen2-MoE (dense and expert
+layers, a shared expert, 8 experts) and Mixtral (4 experts: one a device at tp=4, a window of 8).
+
+jax fixes its device count when it starts, so the check runs in a fresh process with four host devices.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+CHECK = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import transformers
+    from jaxserve.models import registry
+    from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+    from jaxserve.sharding.mesh import make_mesh
+    from jaxserve.sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, named_shardings
+
+    CONFIGS = {
+        "qwen2_moe": (transformers.Qwen2MoeConfig, dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1])),
+        "mixtral": (transformers.MixtralConfig, dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8)),
+    }
+    RULES = {"tensor_parallel": LOGICAL_AXIS_RULES, "expert_parallel": EXPERT_PARALLEL_RULES}
+    assert jax.device_count() == 4, jax.devices()
+    results = {}
+    for name, (config_class, extra) in CONFIGS.items():
+        hf = config_class(vocab_size=160, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                          num_key_value_heads=4, max_position_embeddings=256, **extra)
+        hf.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
+        family, cfg = registry.resolve(hf.to_dict())
+        checkpoint = family.init_weights(cfg, jax.random.key(0), jnp.float32)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 160, size=24), jnp.int32)
+        positions = jnp.arange(24, dtype=jnp.int32)
+        meta = DenseAttentionMetadata(seq_ids=jnp.zeros(24, jnp.int32))
+
+        def logits_of(weights, cache):
+            hidden, _ = family.forward(weights, tokens, positions, cache, meta, cfg)
+            return family.compute_logits(weights, hidden, cfg)
+
+        cache = init_dense_cache(cfg, 1, 32, jnp.float32)
+        single = jax.jit(logits_of)(family.to_serving(checkpoint, cfg), cache)
+        expert_layer = cfg.moe_layers[0]
+        for tp in (2, 4):
+            mesh = make_mesh(tp=tp)
+            for rules_name, rules in RULES.items():
+                shardings = named_shardings(family.serving_specs(cfg), mesh, rules)
+                weights = family.to_serving(checkpoint, cfg, shardings)
+                sharded = jax.jit(logits_of)(weights, cache)
+                experts = weights.layers[expert_layer].mlp
+                results[f"{name} tp={tp} {rules_name}"] = dict(
+                    err=float(jnp.max(jnp.abs(sharded - single)) / jnp.max(jnp.abs(single))),
+                    gate_up=[str(a) for a in experts.w_gate_up.sharding.spec],
+                    down=[str(a) for a in experts.w_down.sharding.spec],
+                    shard=list(experts.w_gate_up.addressable_shards[0].data.shape),
+                    full=list(experts.w_gate_up.shape),
+                )
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def sharded_results(run_with_host_devices) -> dict:
+    return run_with_host_devices(CHECK, num_devices=4)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("rules", ["tensor_parallel", "expert_parallel"])
+def test_sharded_moe_logits_equal_single_device(sharded_results: dict, family: str, tp: int, rules: str) -> None:
+    result = sharded_results[f"{family} tp={tp} {rules}"]
+    num_experts, _, _, width = result["full"]
+    if rules == "tensor_parallel":  # every expert on every device, its hidden split
+        assert result["gate_up"] == ["None", "None", "None", "model"] and result["down"] == ["None", "model", "None"]
+        assert result["shard"] == [num_experts, 64, 2, width // tp]
+    else:  # E / tp whole experts a device
+        assert result["gate_up"] == ["model", "None", "None", "None"] and result["down"] == ["model", "None", "None"]
+        assert result["shard"] == [num_experts // tp, 64, 2, width]
+    assert result["err"] < 1e-5, result
