@@ -71,6 +71,24 @@ _HF_CONFIGS = {
             "rope_local_base_freq": 100.0,
         },
     ),
+    # Mixtures of experts (5 experts, top 2): Qwen3-MoE with a dense layer between two expert layers and q/k norm;
+    # Mixtral with its window of 8.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        {"num_local_experts": 5, "num_experts_per_tok": 2, "intermediate_size": 48, "sliding_window": 8},
+    ),
 }
 _ARCHITECTURE_NAMES = {"gemma3": "Gemma3ForCausalLM"}
 
@@ -99,8 +117,8 @@ class CharTokenizer:
 
 
 def _tiny_model(model_type: str, seed: int = 0) -> LoadedModel:
-    """A tiny random Llama, Qwen3 (q/k norm), Mistral (sliding window), Gemma 2 or Gemma 3 with float32 weights, as
-    `load_model` would return it."""
+    """A tiny random Llama, Qwen3 (q/k norm), Mistral (sliding window), Gemma 2, Gemma 3, Qwen3-MoE or Mixtral
+    with float32 weights, as `load_model` would return it."""
     config_class, extra = _HF_CONFIGS[model_type]
     config = config_class(**{**_TINY_HF, **extra})
     default_name = config.__class__.__name__.replace("Config", "ForCausalLM")

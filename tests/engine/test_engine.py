@@ -1,5 +1,6 @@
-"""The paged engine against the dense reference, on tiny random models (Llama, Qwen3, and Mistral for
-the sliding window) and on the default model.
+"""The paged engine against the dense reference, on tiny random models (Llama, Qwen3, Mistral for the
+sliding window, Gemma 2 and 3 for mixed layers, Qwen3-MoE and Mixtral for mixtures of experts) and on
+the default model.
 
 Covers the issue's acceptance: token-identical greedy outputs under preemption (MAX_UTILIZATION on a
 KV pool too small for the batch), chunked prefill and prefix-cache hits, and the same tokens under
@@ -31,7 +32,7 @@ NEW_TOKENS = 12
 # (With sliding-window layers, 10 blocks in each layer group; Mistral's layers, all sliding with a window of
 # 8, keep 3 or 4 blocks a request, so its pool is smaller for the same pressure.)
 KV_TOKENS = 160
-KV_TOKENS_BY_MODEL = {"mistral": 64, "gemma2": 96, "gemma3": 96}
+KV_TOKENS_BY_MODEL = {"mistral": 64, "gemma2": 96, "gemma3": 96, "mixtral": 64}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 POLICIES = {"max_utilization": CapacityPolicy.MAX_UTILIZATION, "no_evict": CapacityPolicy.GUARANTEED_NO_EVICT}
 
@@ -66,6 +67,10 @@ BUCKETS = {
     ),
     ("gemma2", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
     ("gemma3", "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
+    **{
+        (moe, "max_utilization"): CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False)
+        for moe in ("qwen3_moe", "mixtral")
+    },
 }
 
 
@@ -98,7 +103,18 @@ def new_stats(llm, before: int):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "qwen3", "mistral", "mistral_full_kv", "gemma2", "gemma2_full_kv", "gemma3"]
+    "model_type",
+    [
+        "llama",
+        "qwen3",
+        "mistral",
+        "mistral_full_kv",
+        "gemma2",
+        "gemma2_full_kv",
+        "gemma3",
+        "qwen3_moe",
+        "mixtral",
+    ],
 )
 def test_greedy_matches_dense_with_preemption_chunking_and_prefix_hits(engines, model_type, assert_engine_idle):
     model, llm = engines(model_type, "max_utilization")
