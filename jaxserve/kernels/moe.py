@@ -4,8 +4,10 @@ jnp references, their tiling and the tile table they run over.
 `grouped_matmul(lhs, rhs, group_sizes)` is `jax.lax.ragged_dot`: lhs rows are sorted by expert, expert g
 owns the next group_sizes[g] rows and multiplies them by rhs[g]; rows past sum(group_sizes) (the step's
 padding) come out as zeros. `grouped_gate_up` is the gate/up projection with silu(gate) * up in its
-epilogue. Legend beyond docs' (STYLE.md): R routed rows (tokens x top-k, sorted by expert, padded to the
-step's bucket), Din / Dout a generic product's input and output widths (F and D for the down projection).
+epilogue. Both take an optional `row_offset`: the groups start at that row and the rows before it come
+out as zeros (an expert-parallel device's share of the whole row set, without copying rows). Legend beyond
+docs' (STYLE.md): R routed rows (tokens x top-k, sorted by expert, padded to the step's bucket), Din / Dout
+a generic product's input and output widths (F and D for the down projection).
 
 Layout after megablocks' grouped GEMM and vLLM's `moe_align_block_size`: row tiles never straddle two
 experts. `tile_table` (jnp, from group_sizes) cuts each expert's rows into block_m-row tiles from the
@@ -115,13 +117,23 @@ class TileTable(NamedTuple):
     num_tiles: Int[Array, " 1"]
 
 
-def tile_table(group_sizes: Int[Array, " E"], num_rows: int, block_m: int) -> TileTable:
+def tile_table(
+    group_sizes: Int[Array, " E"], num_rows: int, block_m: int, row_offset: Int[Array, ""] | None = None
+) -> TileTable:
     """The tiles of rows [0, num_rows) grouped by group_sizes, as jnp ops (traceable; group sizes are data).
 
     Groups run in order and are cut at num_rows (as ragged_dot does when their sum exceeds it); negative
     sizes count as 0. The rows after the last group form group E, whose tiles write zeros. Unused slots hold
-    group E and the empty row range [num_rows, num_rows).
+    group E and the empty row range [num_rows, num_rows). row_offset (data): the groups start at that row
+    instead of 0, the rows before it forming a leading zero group (group E too); one more slot then.
     """
+    if row_offset is not None:
+        # The leading run as one more group in front, then its tiles renamed to the zero group E.
+        sizes = jnp.concatenate([jnp.reshape(row_offset, (1,)).astype(jnp.int32), group_sizes.astype(jnp.int32)])
+        table = tile_table(sizes, num_rows, block_m)
+        num_experts = group_sizes.shape[0]
+        group = jnp.where((table.group == 0) | (table.group > num_experts), num_experts, table.group - 1)
+        return table._replace(group=group)
     num_experts = group_sizes.shape[0]
     slots = max_tiles(num_rows, num_experts, block_m)
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), num_rows)
@@ -157,10 +169,11 @@ class GemmParams:
     num_experts: int
     fused: bool  # gate/up pair with silu(gate) * up in the epilogue
     tiling: MoeTiling
+    offset: bool = False  # a leading run of zero rows (row_offset): one more group
 
     @property
     def slots(self) -> int:
-        return max_tiles(self.num_rows, self.num_experts, self.tiling.block_m)
+        return max_tiles(self.num_rows, self.num_experts + self.offset, self.tiling.block_m)
 
     @property
     def n_tiles(self) -> int:
@@ -239,10 +252,10 @@ def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, lhs_ref, rhs_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("fused", "tiling", "interpret"))
-def _grouped(lhs, rhs, group_sizes, *, fused: bool, tiling: MoeTiling, interpret: bool):
+def _grouped(lhs, rhs, group_sizes, row_offset, *, fused: bool, tiling: MoeTiling, interpret: bool):
     num_rows, dim_in = lhs.shape
-    p = GemmParams(num_rows, dim_in, rhs.shape[-1], rhs.shape[0], fused, tiling)
-    table = tile_table(group_sizes, num_rows, tiling.block_m)
+    p = GemmParams(num_rows, dim_in, rhs.shape[-1], rhs.shape[0], fused, tiling, row_offset is not None)
+    table = tile_table(group_sizes, num_rows, tiling.block_m, row_offset)
     return pl.pallas_call(
         functools.partial(_grouped_kernel, p=p),
         out_shape=jax.ShapeDtypeStruct((num_rows, p.dim_out), lhs.dtype),
@@ -280,13 +293,17 @@ def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool) -> None:
             raise ValueError(f"{name} must have fewer than 2**31 elements, got shape {shape}")
 
 
-def _launch(lhs, rhs, group_sizes, *, fused: bool, interpret: bool, tiling: MoeTiling | None) -> jax.Array:
+def _launch(lhs, rhs, group_sizes, row_offset, *, fused: bool, interpret: bool, tiling: MoeTiling | None) -> jax.Array:
     check_grouped_inputs(lhs, rhs, group_sizes, fused=fused)
+    if row_offset is not None:
+        row_offset = jnp.asarray(row_offset)
+        if row_offset.shape != () or row_offset.dtype != jnp.int32:
+            raise TypeError(f"row_offset must be an int32 scalar, got {row_offset.dtype}{list(row_offset.shape)}")
     if lhs.shape[0] == 0:
         return jnp.zeros((0, rhs.shape[-1]), lhs.dtype)
     tiling = default_moe_tiling(lhs.shape[0], rhs.shape[0]) if tiling is None else tiling
     filter_triton_deprecation()
-    return _grouped(lhs, rhs, group_sizes, fused=fused, tiling=tiling, interpret=interpret)
+    return _grouped(lhs, rhs, group_sizes, row_offset, fused=fused, tiling=tiling, interpret=interpret)
 
 
 def grouped_matmul(
@@ -294,14 +311,18 @@ def grouped_matmul(
     rhs: Float[Array, "E Din Dout"],
     group_sizes: Int[Array, " E"],
     *,
+    row_offset: Int[Array, ""] | int | None = None,
     interpret: bool = False,
     tiling: MoeTiling | None = None,
 ) -> Float[Array, "R Dout"]:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)`: rows sorted by group, group g's group_sizes[g] rows times
     rhs[g], rows past sum(group_sizes) zero. float32 accumulation, output in lhs's dtype.
 
-    tiling: `MoeTiling` (default `default_moe_tiling(R, E)`). interpret: run on a CPU (tests)."""
-    return _launch(lhs, rhs, group_sizes, fused=False, interpret=interpret, tiling=tiling)
+    row_offset: an int32 scalar (data, like group_sizes): the groups start at that row and the rows before it
+    are zeros, not read (None, the default, and 0: ragged_dot's semantics). An expert-parallel device passes its
+    experts' group sizes and the rows of the experts before them, and computes only its experts' rows of the
+    whole row set. tiling: `MoeTiling` (default `default_moe_tiling(R, E)`). interpret: run on a CPU (tests)."""
+    return _launch(lhs, rhs, group_sizes, row_offset, fused=False, interpret=interpret, tiling=tiling)
 
 
 def grouped_gate_up(
@@ -309,11 +330,12 @@ def grouped_gate_up(
     rhs: Float[Array, "E D 2 F"],
     group_sizes: Int[Array, " E"],
     *,
+    row_offset: Int[Array, ""] | int | None = None,
     interpret: bool = False,
     tiling: MoeTiling | None = None,
 ) -> Float[Array, "R F"]:
     """silu(lhs @ gate) * (lhs @ up) per group, gate = rhs[:, :, 0] and up = rhs[:, :, 1]: the two products
     and the activation in float32, the result in lhs's dtype; rows past sum(group_sizes) zero.
 
-    tiling (block_n columns of gate and of up each) and interpret as in `grouped_matmul`."""
-    return _launch(lhs, rhs, group_sizes, fused=True, interpret=interpret, tiling=tiling)
+    row_offset, tiling (block_n columns of gate and of up each) and interpret as in `grouped_matmul`."""
+    return _launch(lhs, rhs, group_sizes, row_offset, fused=True, interpret=interpret, tiling=tiling)

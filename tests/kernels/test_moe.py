@@ -3,7 +3,8 @@ ragged groups, empty groups, one-row groups, all rows in one group, tile-aligned
 ragged_dot cuts them) and padding rows after the groups; float32 bit for bit on small integer-valued inputs
 (every product and sum exact, so the order of the additions cannot matter), bfloat16 within its rounding.
 Each shape compiles once and runs every routing: group sizes are data. The tile table against a plain
-Python one; bad inputs are clear errors; both kernels lower for an H200 as one Triton launch each.
+Python one; a row offset (an expert-parallel device's rows of the whole row set) leads with zero rows; bad
+inputs are clear errors; both kernels lower for an H200 as one Triton launch each.
 """
 
 from __future__ import annotations
@@ -116,6 +117,42 @@ def test_padding_rows_are_not_read():
     )
 
 
+def _offset_reference(lhs, rhs, sizes, row_offset: int, fused: bool) -> np.ndarray:
+    """ragged_dot's result with a leading zero group: the rows before row_offset zeros, then the groups."""
+    all_sizes = jnp.concatenate([jnp.asarray([max(row_offset, 0)], jnp.int32), sizes])
+    zero_first = jnp.concatenate([jnp.zeros_like(rhs[:1]), rhs])
+    reference = pk.grouped_gate_up_reference if fused else pk.grouped_matmul_reference
+    return np.asarray(reference(lhs, zero_first, all_sizes))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
+def test_row_offset_starts_the_groups_past_a_run_of_zero_rows(fused):
+    """An expert-parallel device's call: its experts' group sizes, the groups from row_offset on (a traced
+    scalar: one compile for every offset), every other row zero and not read (NaN there); offsets at 0, inside
+    and at the end of a tile, past the rows; float32 bit for bit."""
+    rows, din, dout, tiling = SHAPES[0]
+    lhs, rhs = _integer_inputs(rows, din, dout, fused)
+    kernel = jax.jit(
+        functools.partial(pk.grouped_gate_up if fused else pk.grouped_matmul, interpret=True, tiling=tiling)
+    )
+    cases = [(0, [3, 4, 0, 5, 2]), (5, [7, 0, 13, 1, 9]), (16, [16, 0, 0, 0, 1]), (30, [0, 9, 0, 0, 4]), (40, [2] * 5)]
+    for row_offset, sizes in cases + [(-3, [1, 2, 3, 4, 5])]:
+        sizes = jnp.asarray(sizes, jnp.int32)
+        start, end = max(row_offset, 0), min(max(row_offset, 0) + int(sizes.sum()), rows)
+        poisoned = lhs.at[:start].set(jnp.nan).at[end:].set(jnp.nan)
+        out = np.asarray(kernel(poisoned, rhs, sizes, row_offset=jnp.int32(row_offset)))
+        want = _offset_reference(lhs, rhs, sizes, row_offset, fused)
+        np.testing.assert_array_equal(out, want, err_msg=f"offset {row_offset}: {sizes.tolist()}")
+        assert not out[:start].any() and not out[end:].any()
+    # Offset 0 is ragged_dot itself.
+    sizes = _sizes("ragged", rows)
+    np.testing.assert_array_equal(
+        np.asarray(kernel(lhs, rhs, sizes, row_offset=jnp.int32(0))), np.asarray(kernel(lhs, rhs, sizes))
+    )
+    with pytest.raises(TypeError, match="row_offset must be an int32 scalar"):
+        kernel(lhs, rhs, sizes, row_offset=jnp.zeros(2, jnp.int32))
+
+
 def test_default_tiling_follows_rows_per_expert():
     assert pk.grouped_matmul(jnp.zeros((0, 16)), jnp.zeros((E, 16, 8)), jnp.zeros(E, jnp.int32)).shape == (0, 8)
     assert moe.default_moe_tiling(64, 128).block_m == 16  # decode: 8 tokens x top-8
@@ -154,6 +191,17 @@ def test_tile_table_edge_cases(sizes, rows, block_m):
     assert table.group.shape == (moe.max_tiles(rows, len(sizes), block_m),)
     unused = np.stack([np.asarray(a[used:]) for a in table[:3]])
     assert (unused == np.array([[len(sizes)], [rows], [rows]])).all()
+
+
+def test_tile_table_with_a_row_offset_leads_with_zero_tiles():
+    """A leading run of rows is one more zero group (E) in front; the slots grow by one group's partial tile."""
+    sizes, rows, block_m = [3, 0, 5], 13, 4
+    table = moe.tile_table(jnp.asarray(sizes, jnp.int32), rows, block_m, jnp.int32(2))
+    used = int(table.num_tiles[0])
+    got = list(zip(*(np.asarray(a[:used]).tolist() for a in table[:3]), strict=True))
+    assert got == [(3, 0, 2), (0, 2, 5), (2, 5, 10), (2, 9, 10), (3, 10, 13)]  # (group, first row, group end)
+    assert table.group.shape == (moe.max_tiles(rows, len(sizes) + 1, block_m),)
+    assert (np.asarray(table.group[used:]) == len(sizes)).all()
 
 
 def test_tile_table_random_routings_fit_the_slots():
