@@ -5,6 +5,8 @@ timed against `jax.lax.ragged_dot` and a dense GEMM of the same flops, at Qwen3-
     python benchmarks/moe_kernel_check.py                      # checks, then one table; exit 1 on a mismatch
     python benchmarks/moe_kernel_check.py --tiling block_m=128,block_n=128,num_warps=8   # another tiling
     python benchmarks/moe_kernel_check.py --interpret --small  # a CPU smoke run: small shapes, checks only
+    python benchmarks/moe_kernel_check.py --tokens 512 4096 --sweep block_m=64 block_m=128,num_warps=8
+                                                               # the kernels' time under each tiling, no checks
 
 Routing: each token picks top_k distinct experts uniformly at random; the group sizes are the experts' counts.
 Checks, per size and kernel (gate_up: grouped_gate_up, down: grouped_matmul):
@@ -230,6 +232,28 @@ def print_table(rows: list[dict], ceilings: dict[str, float], tiling) -> None:
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
+def sweep(shape: MoeShape, tilings: list[str], ceilings: dict[str, float]) -> None:
+    """The kernels' wall time per call (bf16) under each tiling at each size, one table; a tiling that fails to
+    compile or run (e.g. more shared memory than the card has) prints its error and a dash."""
+    rng = np.random.default_rng(0)
+    print("| kernel | tokens | rows | tiling | µs | TFLOP/s | % mm |")
+    print("|---|---:|---:|---|---:|---:|---:|")
+    for tokens in shape.tokens:
+        for text in tilings:
+            tiling = parse_tiling(text)
+            for case in cases(rng, tokens, shape, jnp.bfloat16, tiling, False):
+                rows, (din, dout) = case.lhs.shape[0], case.dims
+                try:
+                    t = time_calls(case.kernel, [(case.lhs, case.rhs, jnp.asarray(case.sizes))], 20)
+                except Exception as error:
+                    print(f"  {case.name} {text}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                    print(f"| {case.name} | {tokens} | {rows} | {text} | - | - | - |")
+                    continue
+                tflops = 2 * rows * din * dout / t / 1e12
+                pct = 100 * tflops / ceilings["matmul_TFLOPs"]
+                print(f"| {case.name} | {tokens} | {rows} | {text} | {t * 1e6:.1f} | {tflops:.1f} | {pct:.0f} |")
+
+
 def parse_tiling(text: str | None):
     """'block_m=128,block_n=128' -> MoeTiling with those fields (the others at their defaults); None: per size."""
     if text is None:
@@ -244,6 +268,7 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help=f"small shapes: {SMALL}")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default: the shape's)")
     parser.add_argument("--tiling", help="MoeTiling fields, e.g. block_m=128,block_n=128 (default: per size)")
+    parser.add_argument("--sweep", nargs="+", metavar="TILING", help="time each tiling at each size (no checks)")
     args = parser.parse_args()
     if args.interpret:
         jax.config.update("jax_platforms", "cpu")
@@ -256,6 +281,9 @@ def main() -> int:
         from ceilings import ceilings as measure
 
         ceilings = measure()
+    if args.sweep:
+        sweep(shape, args.sweep, ceilings)
+        return 0
     rng = np.random.default_rng(0)
     failures, table, checked = [], [], 0
     for i, tokens in enumerate(shape.tokens):
