@@ -10,12 +10,29 @@ time; the model's figures are estimates, not measurements.
 The real `Scheduler` and `BlockManager` (with the model's KV layout: sliding layers' groups keep their window
 unless --no-sliding-window-kv) run the workload (every request makes exactly --output-len tokens); each step
 is looked up in the real `BucketTable` and costed as
-    max(weights / bandwidth, gemm flops of the bucket's tokens / matmul rate)
+    max(weights the step reads / bandwidth, gemm flops of the bucket's tokens / matmul rate)
     + KV bytes every row reads / bandwidth + prefill attention flops / (matmul rate / 2) + --overhead-ms
 with the figures of the --shape (`jaxserve/models/shapes.py`, default llama-3.1-8b): its layers' matrix
 parameters per token, lm_head per row, every parameter's bytes, and per layer the K/V bytes of a token and
 the keys a query reads (all before it, or its window). Prints the steps by kind (decode-only, mixed), the
 rows and padding of the decode steps, preemptions, and the estimated elapsed time and output tok/s.
+
+The estimated output tok/s is the job's ceiling (docs/performance.md, "Ceilings"): the real scheduler's steps,
+each as fast as its bytes or its GEMMs allow at the given rates (--overhead-ms 0: nothing else).
+
+A mixture of experts (qwen3-30b-a3b, mixtral-8x7b) is costed by its active parameters and the experts its steps
+hit. Flops per token: 2 x (attention + router + top_k experts + shared expert, over the layers; a dense layer's
+MLP in full), and 2 x lm_head per row. Bytes of a step of T tokens (the bucket's, padding included: padding
+tokens are routed too, to at most top_k more experts):
+    attention, router, shared expert, dense layers, embedding and lm_head (as a dense model counts them)
+    + E * (1 - (1 - k/E)^T) * one expert's bytes, in every expert layer
+where E * (1 - (1 - k/E)^T) is the expected number of a layer's E experts that receive a row when each token
+takes k of them uniformly and independently (a token misses a given expert with probability 1 - k/E): 8 of
+Qwen3-30B-A3B's 128 at T = 1, 51.6 at T = 8, 125.9 at T = 64. Real routing is not uniform: a skewed router hits
+fewer experts, so this overstates a small step's bytes.
+
+    python benchmarks/schedule_sim.py --shape qwen3-30b-a3b --num-requests 1024 --input-len 128 --output-len 128 \
+        --max-seq-len 256 --kv-gib 60 --bandwidth 2.85 --matmul-tflops 700 --overhead-ms 0
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ from jaxserve.buckets import BucketTable
 from jaxserve.config import CapacityPolicy, CompileConfig, EngineConfig, SchedulerConfig
 from jaxserve.kv_layout import kv_layout
 from jaxserve.models import registry, shapes
+from jaxserve.models.layers import LayerMlp
 from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import Scheduler
@@ -39,29 +57,63 @@ from jaxserve.scheduler import Scheduler
 
 @dataclass(frozen=True)
 class ModelCosts:
-    """What one token costs a model of this shape, in bf16."""
+    """What one token costs a model of this shape, in bf16. A mixture of experts' routed experts are counted apart:
+    a token is multiplied by its top_k of each expert layer (`layer_params`), and a step reads the experts its
+    tokens hit (`step_weight_bytes`)."""
 
-    layer_params: float  # attention and MLP matrices over every layer: 2x this many flops per token
+    layer_params: float  # the matrices a token goes through over every layer: 2x this many flops per token
     head_params: float  # lm_head (the tied embedding when tied): 2x this many flops per sampled row
-    weight_bytes: float  # every parameter's bytes (an untied embedding counted, though a step reads a few rows)
+    weight_bytes: float  # every parameter's bytes but the routed experts' (an untied embedding counted, though a
+    # step reads a few rows)
     kv_bytes: int  # K and V of one token in one layer
     pair_flops: float  # one query against one key in one layer: QK and PV
     windows: tuple[int | None, ...]  # each layer's window (None: every key before the query)
+    expert_bytes: float = 0.0  # one routed expert's bytes in every expert layer together
+    num_experts: int = 0  # routed experts of an expert layer (0: a dense model)
+    top_k: int = 0  # experts a token is routed to
+
+    def experts_hit(self, num_tokens: int) -> float:
+        """Expected experts of a layer that receive a row when each of num_tokens tokens takes top_k of the E
+        experts, uniformly and independently: E * (1 - (1 - k/E)^T)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
+
+    def step_weight_bytes(self, num_tokens: int) -> float:
+        """The weights a step of num_tokens tokens reads: all but the routed experts, and the experts hit."""
+        return self.weight_bytes + self.experts_hit(num_tokens) * self.expert_bytes
 
 
 def model_costs(name: str) -> ModelCosts:
+    """The shape's costs: per layer the attention's q/k/v/o matrices and its MLP (a dense SwiGLU; or the router,
+    top_k routed experts and the shared expert, of which every step reads all but the routed experts)."""
     _, cfg = registry.resolve(shapes.shape(name))
     hidden, q_width, kv_width = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = hidden * (2 * q_width + 2 * kv_width) + 3 * hidden * cfg.intermediate_size
+    attention = hidden * (2 * q_width + 2 * kv_width) * cfg.num_layers
+    mlps = getattr(cfg, "mlp_layers", None) or (LayerMlp(cfg.intermediate_size),) * cfg.num_layers
+    active = read = expert = 0  # per token over the layers; read by every step; one expert of every expert layer
+    num_experts = top_k = 0
+    for mlp in mlps:
+        gated = 3 * hidden * mlp.intermediate_size  # gate, up and down
+        if mlp.num_experts is None:
+            active, read = active + gated, read + gated
+            continue
+        fs = mlp.shared_intermediate_size
+        always = hidden * mlp.num_experts + (3 * hidden * fs + hidden if fs is not None else 0)  # router, shared
+        active, read, expert = active + always + mlp.top_k * gated, read + always, expert + gated
+        num_experts, top_k = mlp.num_experts, mlp.top_k
     head = cfg.vocab_size * hidden
     embedding = 0 if cfg.tie_word_embeddings else head
     return ModelCosts(
-        layer_params=per_layer * cfg.num_layers,
+        layer_params=attention + active,
         head_params=head,
-        weight_bytes=2 * (per_layer * cfg.num_layers + head + embedding),
+        weight_bytes=2 * (attention + read + head + embedding),
         kv_bytes=2 * kv_width * 2,
         pair_flops=4 * q_width,
         windows=tuple(layer.sliding_window for layer in cfg.attention_layers),
+        expert_bytes=2 * expert,
+        num_experts=num_experts,
+        top_k=top_k,
     )
 
 
@@ -81,7 +133,8 @@ def step_cost_ms(costs: ModelCosts, num_tokens: int, num_rows: int, decode_rows,
     """One step: the bucket's GEMMs or its weights' bytes, each decode row's keys in every layer, each prefill
     chunk's query-key pairs in every layer. Rows are (start, num_tokens)."""
     bw, mm = args.bandwidth * 1e12, args.matmul_tflops * 1e12
-    gemm = max(costs.weight_bytes / bw, (2 * costs.layer_params * num_tokens + 2 * costs.head_params * num_rows) / mm)
+    flops = 2 * costs.layer_params * num_tokens + 2 * costs.head_params * num_rows
+    gemm = max(costs.step_weight_bytes(num_tokens) / bw, flops / mm)
     kv_read = sum(keys_read(start, 1, w) for start, _ in decode_rows for w in costs.windows)
     pairs = sum(keys_read(start, n, w) for start, n in prefill_rows for w in costs.windows)
     attention = kv_read * costs.kv_bytes / bw + pairs * costs.pair_flops / (mm / 2)
