@@ -16,6 +16,14 @@ Three llama.cpp conventions are undone here:
   - for Gemma (1, 2 and 3) it adds 1 to every RMSNorm weight (llama.cpp's norm multiplies by w, Hugging
     Face's by 1 + w); we subtract it again.
 
+Mixture-of-experts files (qwen2moe, qwen3moe, and llama with an `expert_count`: Mixtral) hold each layer's
+experts stacked, `blk.N.ffn_{gate,up,down}_exps` of [E, out, in]; we split them into the per-expert tensors of a
+Hugging Face checkpoint, which the MoE family's rules stack again. A GGUF cannot say that some layers are dense
+(decoder_sparse_step, mlp_only_layers): every layer has experts, and each must hold its router and stacked experts
+(and Qwen2-MoE's shared expert), or the file is refused naming the tensor and layer. Nor does it say whether the
+top-k routing weights are renormalised: we assume what llama.cpp's graphs hard-code, yes for qwen3moe (Qwen3-MoE
+releases set norm_topk_prob) and for Mixtral, no for qwen2moe (transformers' default for Qwen2-MoE).
+
 Gemma files keep less than a config.json says; what they leave out is what llama.cpp itself assumes
 (`llama-model.cpp`): the query scale head_dim ** -0.5 (hidden / heads for the 27B models), and for
 Gemma 3 the local rope base 10000 and every 6th layer full (sliding layers only when the file names a
@@ -57,7 +65,12 @@ _ARCHITECTURES = {
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# A "llama" file with llama.expert_count (llama.cpp converts Mixtral so).
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+_MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses, e.g. Mistral).
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -83,7 +96,26 @@ _POST_NORM_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_ARCH_LAYER_NAMES = {"gemma2": _LAYER_NAMES | _POST_NORM_NAMES, "gemma3": _LAYER_NAMES | _POST_NORM_NAMES}
+# The routers and Qwen2-MoE's shared expert (the stacked experts split into many names: `_EXPERTS`).
+_QWEN_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _LAYER_NAMES | _POST_NORM_NAMES,
+    "gemma3": _LAYER_NAMES | _POST_NORM_NAMES,
+    "llama": _LAYER_NAMES | {"ffn_gate_inp": "block_sparse_moe.gate"},
+    "qwen2moe": _LAYER_NAMES | _QWEN_MOE_NAMES,
+    "qwen3moe": _LAYER_NAMES | _QWEN_MOE_NAMES,
+}
+# A layer's experts stacked on a leading E axis; each MoE layer holds the router and these, Qwen2-MoE also the
+# shared expert's tensors.
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_SHARED_EXPERT_TENSORS = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 # Architectures whose norm weights llama.cpp's converter stores as 1 + w (its Gemma*Model.modify_tensors).
 _SHIFTED_NORM_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 # What llama.cpp assumes for Gemma 3 files (set_swa_pattern(6), rope_freq_base_train_swa = 10000), and the
@@ -199,15 +231,25 @@ class GGUFCheckpoint:
         """(Hugging Face name, float32 array), one tensor dequantised at a time."""
         from gguf.quants import dequantize
 
+        from jaxserve.models.llama_moe import expert_tensor_name
+
         arch = _field_value(self.reader.fields["general.architecture"])
+        model_type = self.hf_config["model_type"]
         permuted = arch in _PERMUTED_ARCHITECTURES
         shifted_norms = arch in _SHIFTED_NORM_ARCHITECTURES
         heads = {"q": self.hf_config["num_attention_heads"], "k": self.hf_config["num_key_value_heads"]}
         for tensor in self.reader.tensors:
             if tensor.name == _ROPE_FREQS:
                 continue  # already turned into hf_config["rope_scaling"]
-            name = hf_tensor_name(tensor.name, arch)
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+            if m := _EXPERTS.fullmatch(tensor.name):
+                layer, projection = int(m.group(1)), m.group(2)
+                for expert, matrix in enumerate(array):
+                    yield expert_tensor_name(model_type, layer, expert, projection), matrix
+                continue
+            name = hf_tensor_name(tensor.name, arch)
+            if tensor.name.endswith(".ffn_gate_inp_shexp.weight"):
+                array = array.reshape(1, -1)  # Hugging Face's Linear(D, 1); a converter may have squeezed it to [D]
             if permuted and (m := re.search(r"\.attn_([qk])\.", tensor.name)):
                 array = unpermute_rotary(array, heads[m.group(1)])
             if shifted_norms and tensor.name.endswith("norm.weight"):
@@ -262,13 +304,17 @@ def hf_config_from_metadata(
         raise ValueError("GGUF file has no token_embd.weight tensor")
     heads = key("attention.head_count")
     hidden = key("embedding_length")
+    experts = arch in _MOE_ARCHITECTURES or (arch == "llama" and bool(metadata.get("llama.expert_count")))
+    architecture, model_type = _MIXTRAL if arch == "llama" and experts else _ARCHITECTURES[arch]
+    # An MoE file needs no dense width (no layer is dense), and the converter writes one only if config.json has it.
+    ffn_default = _expert_width(metadata, arch, tensor_shapes) if experts else None
     config = {
-        "architectures": [_ARCHITECTURES[arch][0]],
-        "model_type": _ARCHITECTURES[arch][1],
+        "architectures": [architecture],
+        "model_type": model_type,
         # The embedding's rows are the truth; tokenizer lists and vocab_size keys can disagree with it.
         "vocab_size": tensor_shapes["token_embd.weight"][0],
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
+        "intermediate_size": key("feed_forward_length", ffn_default),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
@@ -285,6 +331,8 @@ def hf_config_from_metadata(
         config |= _gemma_keys(metadata, arch, config, key)
     else:
         config["hidden_act"] = "silu"
+    if experts:
+        config |= _moe_keys(metadata, arch, config, key, tensor_shapes)
     rope_scaling = _rope_scaling(metadata, arch, config, rope_divisors)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -322,6 +370,56 @@ def _gemma_keys(metadata: dict, arch: str, config: dict, key: Any) -> dict:
     else:
         keys["sliding_window_pattern"] = key("attention.sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN)
     return keys
+
+
+def _moe_keys(metadata: dict, arch: str, config: dict, key: Any, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The expert keys of an MoE file's config (see the module docstring), once every layer holds its experts."""
+    num_experts = key("expert_count")
+    top_k = key("expert_used_count")
+    scale = metadata.get(f"{arch}.expert_weights_scale", 1.0)
+    if scale not in (0.0, 1.0):  # llama.cpp reads 0 as no scaling
+        raise ValueError(f"GGUF {arch}.expert_weights_scale {scale} is not supported (routing weights unscaled)")
+    _check_expert_tensors(arch, config["num_hidden_layers"], num_experts, shapes)
+    if arch == "llama":  # llama.cpp runs a llama file's experts at feed_forward_length, renormalised, full attention
+        return {"num_local_experts": num_experts, "num_experts_per_tok": top_k, "sliding_window": None}
+    keys = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": key("expert_feed_forward_length", _expert_width(metadata, arch, shapes)),
+        "norm_topk_prob": arch == "qwen3moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if arch == "qwen2moe":
+        shared = shapes["blk.0.ffn_up_shexp.weight"][0]  # [Fs, D], where the metadata leaves the width out
+        keys["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length", shared)
+        keys["qkv_bias"] = "blk.0.attn_q.bias" in shapes
+    return keys
+
+
+def _expert_width(metadata: dict, arch: str, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The experts' hidden width: the metadata's, else the stacked tensors' ([E, F, D]; older files leave it out)."""
+    up = shapes.get("blk.0.ffn_up_exps.weight")
+    return metadata.get(f"{arch}.expert_feed_forward_length", None if up is None or len(up) != 3 else up[1])
+
+
+def _check_expert_tensors(arch: str, num_layers: int, num_experts: int, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every layer of an MoE file holds its router and stacked experts (Qwen2-MoE: its shared expert too), each
+    stack of expert_count experts."""
+    parts = _EXPERT_TENSORS + (_SHARED_EXPERT_TENSORS if arch == "qwen2moe" else ())
+    for layer in range(num_layers):
+        for part in parts:
+            name = f"blk.{layer}.{part}.weight"
+            if name not in shapes:
+                raise ValueError(
+                    f"GGUF file lacks {name}: layer {layer} of this {arch} file has no {part} "
+                    f"(every layer of a GGUF mixture of experts holds {', '.join(parts)})"
+                )
+            shape = shapes[name]
+            if part.endswith("_exps") and (len(shape) != 3 or shape[0] != num_experts):
+                raise ValueError(
+                    f"GGUF tensor {name} has shape {shape}, expected [{arch}.expert_count = {num_experts}, out, in]"
+                )
 
 
 def _rope_scaling(metadata: dict, arch: str, config: dict, rope_divisors: np.ndarray | None) -> dict | None:

@@ -102,6 +102,13 @@ _EXPERT_NAMES = {
 }
 
 
+def expert_tensor_name(model_type: str, layer: int, expert: int, projection: str) -> str:
+    """The Hugging Face name of one expert's gate, up or down weight (`projection`), e.g. mixtral, 3, 5, "up" ->
+    model.layers.3.block_sparse_moe.experts.5.w3.weight: what a loader of stacked experts splits them into."""
+    block, names = _EXPERT_NAMES[model_type]
+    return f"model.layers.{layer}.{block}.experts.{expert}.{names[projection]}.weight"
+
+
 @dataclass(frozen=True, slots=True)
 class MoeConfig:
     """Static model shape; hashable, so it can be a jit static argument.
