@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxserve.models import llama, moe
-from jaxserve.models.attention import AttentionMetadata, KVCache, add_norm
+from jaxserve.models.attention import AttentionMetadata, KVCache, PagedAttentionMetadata, add_norm
 from jaxserve.models.common import (
     CheckpointRule,
     ConfigKey,
@@ -45,7 +45,7 @@ from jaxserve.models.common import (
 )
 from jaxserve.models.layers import LayerAttention, LayerMlp
 from jaxserve.models.llama import LlamaConfig
-from jaxserve.sharding.rules import layer_shardings
+from jaxserve.sharding.rules import Rules, layer_shardings
 
 # The Hugging Face architectures this family runs -> their model_type.
 ARCHITECTURES = {
@@ -443,24 +443,29 @@ def forward(
     kv_cache: KVCache,
     attn_meta: AttentionMetadata,
     cfg: MoeConfig,
+    rules: Rules | None = None,
 ) -> tuple[Float[Array, "T D"], KVCache]:
     """Final-normed hidden states of a flat token batch, and the cache with this batch's K/V written: a loop over
     the layers' own buffers, one jitted `decoder_layer` call each (llama.forward says why); the layers of one MLP
-    kind share its trace."""
+    kind share its trace. rules: the rules table the weights were placed with (None: LOGICAL_AXIS_RULES), which
+    says how the Pallas grouped GEMMs split the experts under a mesh."""
     base = cfg.base
+    mesh = attn_meta.mesh if isinstance(attn_meta, PagedAttentionMetadata) else None
+    tensor_parallel = mesh is not None and mesh.size > 1
     x = jnp.take(weights.embed, token_ids, axis=0)
     cos, sin = rope_frequencies(base.rope, base.head_dim, positions)
     next_norms = [layer.attn_norm for layer in weights.layers[1:]] + [weights.final_norm]
     normed = rms_norm(x, weights.layers[0].attn_norm, base.rms_norm_eps)
     layers = zip(weights.layers, next_norms, cfg.mlp_layers, strict=True)
     for index, (layer, next_norm, mlp) in enumerate(layers):
+        split = moe.expert_split(cfg.hidden_size, mlp, mesh, rules) if tensor_parallel and mlp.kind == "moe" else None
         x, normed, kv_cache = decoder_layer(
-            layer, next_norm, x, normed, positions, cos, sin, kv_cache, jnp.int32(index), attn_meta, base, mlp
+            layer, next_norm, x, normed, positions, cos, sin, kv_cache, jnp.int32(index), attn_meta, base, mlp, split
         )
     return normed, kv_cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "mlp"))
+@partial(jax.jit, static_argnames=("cfg", "mlp", "split"))
 def decoder_layer(
     layer: MoeServingLayer,
     next_norm: Float[Array, " D"],
@@ -474,15 +479,16 @@ def decoder_layer(
     attn_meta: AttentionMetadata,
     cfg: LlamaConfig,
     mlp: LayerMlp,
+    split: moe.ExpertSplit | None = None,
 ) -> tuple[Float[Array, "T D"], Float[Array, "T D"], KVCache]:
     """One layer on the residual stream x and its normed copy (llama.decoder_layer's contract), its MLP as `mlp`
-    declares it: h = x + attention(norm(x)); x = h + mlp(norm(h))."""
+    declares it (its experts split over the mesh as `split` says): h = x + attention(norm(x)); x = h + mlp(norm(h))."""
     eps = cfg.rms_norm_eps
     attn_out, kv_cache = llama.attention_block(
         layer, normed, positions, cos, sin, kv_cache, layer_index, attn_meta, cfg
     )
     h, normed = add_norm(x, attn_out, layer.mlp_norm, eps, attn_meta)
-    x, normed = add_norm(h, moe.mlp_block(normed, layer.mlp, mlp), next_norm, eps, attn_meta)
+    x, normed = add_norm(h, moe.mlp_block(normed, layer.mlp, mlp, attn_meta, split), next_norm, eps, attn_meta)
     return x, normed, kv_cache
 
 

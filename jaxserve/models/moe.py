@@ -6,16 +6,20 @@ One MoE layer over a flat batch of T tokens (DESIGN.md, "Mixture of experts"):
     the family says so) -> the T*k routed rows sorted by expert (a stable argsort of the flat expert ids; each
     expert's row count by bincount of length E) -> one grouped GEMM for gate and up with silu(gate) * up -> one
     grouped GEMM for down -> the inverse permutation, each token's k results summed with their weights.
-Every shape is static (T, k, E); only the group sizes are data, so no routing recompiles anything. The grouped
-GEMMs are `grouped_gate_up` here and `jax.lax.ragged_dot`, both XLA; `jaxserve.kernels.moe` has Pallas kernels of
-exactly their semantics (`grouped_gate_up`, `grouped_matmul`), so moving to them is one line at each call in
-`experts_mlp`.
+Every shape is static (T, k, E); only the group sizes are data, so no routing recompiles anything. Which grouped
+GEMMs run is decided by the step's attention metadata, as for the attention and the norms: on the paged pallas
+backend the Pallas kernels of `jaxserve.kernels.moe` (`grouped_gate_up`, `grouped_matmul`); on the xla backend and
+the dense reference path `grouped_gate_up` here and `jax.lax.ragged_dot` (XLA, exactly the kernels' semantics).
 
 Expert weights are stacked on a leading E axis: gate/up [E, D, 2, F] with logical axes ("experts", "embed", None,
 "mlp"), down [E, F, D] with ("experts", "mlp", "embed"). The rules table decides the split: "mlp" over the model
 axis (tensor-parallel experts, the default: each device holds a slice of every expert, and the down projection's
 partial sums are reduced as a dense MLP's are) or "experts" over it (expert parallelism: each device holds E / tp
-whole experts); a mesh axis splits one dimension of a tensor, so the other stays whole.
+whole experts); a mesh axis splits one dimension of a tensor, so the other stays whole. Under a mesh the xla
+backend is partitioned by XLA; the Pallas kernels run per device under shard_map, on the split that the rules
+table the weights were placed with gives (`ExpertSplit`): every routed row through the device's F slice, or only
+the rows of the device's experts (a contiguous run of the sorted rows: the kernels' row_offset, the other rows
+zero), then a psum of each token's combined output over the model axis. Routing is replicated: no all-to-all.
 
 Einsum letters: t tokens, d model dim, e experts, f MLP hidden, c the gate/up pair, k a token's chosen experts.
 """
@@ -24,13 +28,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from jaxserve import kernels
+from jaxserve.models.attention import AttentionMetadata, _runs_pallas
 from jaxserve.models.common import ParamSpec, gated_mlp
 from jaxserve.models.layers import LayerMlp
+from jaxserve.sharding.mesh import MODEL_AXIS
+from jaxserve.sharding.rules import Rules, partition_spec
 
 
 @jax.tree_util.register_dataclass
@@ -185,18 +196,41 @@ def grouped_gate_up(
     return (jax.nn.silu(gate) * up).astype(lhs.dtype)
 
 
-def experts_mlp(x: Float[Array, "T D"], weights: ExpertMlp, mlp: LayerMlp) -> Float[Array, "T D"]:
-    """The routed experts' weighted sum for each token (plus the gated shared expert where the layer has one)."""
-    num_tokens, top_k = x.shape[0], mlp.top_k
-    expert_ids, route_weights = route(x, weights.router, top_k, mlp.normalize_top_k)
+class ExpertSplit(NamedTuple):
+    """How one MoE layer's expert weights lie on the step's mesh: the PartitionSpecs of w_gate_up and w_down as
+    the rules table that placed them gives them (hashable: a static argument of the layer's jit)."""
+
+    w_gate_up: PartitionSpec
+    w_down: PartitionSpec
+
+
+def expert_split(hidden_size: int, mlp: LayerMlp, mesh: Mesh, rules: Rules | None = None) -> ExpertSplit:
+    """The split of one MoE layer's expert weights over `mesh` under `rules` (None: LOGICAL_AXIS_RULES), from their
+    one declaration (`mlp_specs`)."""
+    specs = mlp_specs(hidden_size, mlp)
+    return ExpertSplit(
+        partition_spec(specs.w_gate_up, mesh, "w_gate_up", rules), partition_spec(specs.w_down, mesh, "w_down", rules)
+    )
+
+
+def experts_mlp(
+    x: Float[Array, "T D"],
+    weights: ExpertMlp,
+    mlp: LayerMlp,
+    meta: AttentionMetadata | None = None,
+    split: ExpertSplit | None = None,
+) -> Float[Array, "T D"]:
+    """The routed experts' weighted sum for each token (plus the gated shared expert where the layer has one).
+    meta: the step's attention metadata; its paged pallas backend runs the grouped GEMMs as Pallas kernels (per
+    device under tensor parallelism, the experts split as `split` says: None, as the default rules table says),
+    everything else as XLA's ragged_dot."""
+    expert_ids, route_weights = route(x, weights.router, mlp.top_k, mlp.normalize_top_k)
     order, group_sizes = sort_by_expert(expert_ids, weights.w_gate_up.shape[0])
-    rows = jnp.take(x, order // top_k, axis=0)  # [R, D], expert by expert
-    hidden = grouped_gate_up(rows, weights.w_gate_up, group_sizes)  # kernels.moe.grouped_gate_up
-    out = jax.lax.ragged_dot(hidden, weights.w_down, group_sizes)  # kernels.moe.grouped_matmul
-    # Back to token order: routed row r (token r // k, choice r % k) sits at the position where `order` holds r.
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    per_choice = jnp.take(out, position, axis=0).reshape(num_tokens, top_k, -1)
-    combined = jnp.einsum("tkd,tk->td", per_choice.astype(jnp.float32), route_weights)
+    args = (x, weights.w_gate_up, weights.w_down, order, group_sizes, route_weights)
+    if _runs_pallas(meta):
+        combined = _pallas_experts(*args, meta, mlp, split)
+    else:
+        combined = _routed_experts(*args, gate_up=grouped_gate_up, down=jax.lax.ragged_dot)
     if weights.shared_gate_up is not None:
         shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down)
         scale = jax.nn.sigmoid(jnp.einsum("td,d->t", x, weights.shared_gate, preferred_element_type=jnp.float32))
@@ -204,8 +238,77 @@ def experts_mlp(x: Float[Array, "T D"], weights: ExpertMlp, mlp: LayerMlp) -> Fl
     return combined.astype(x.dtype)
 
 
-def mlp_block(x: Float[Array, "T D"], weights: DenseMlp | ExpertMlp, mlp: LayerMlp) -> Float[Array, "T D"]:
-    """One layer's MLP on the normed input, as its declaration says: dense SwiGLU or the mixture of experts."""
+def _routed_experts(
+    x: Float[Array, "T D"],
+    w_gate_up: Float[Array, "E D 2 F"],
+    w_down: Float[Array, "E F D"],
+    order: Int[Array, " R"],
+    group_sizes: Int[Array, " E"],
+    route_weights: Float[Array, "T k"],
+    *,
+    gate_up: Callable[..., Array],
+    down: Callable[..., Array],
+) -> Float[Array, "T D"]:
+    """Each token's weighted sum of its experts' outputs, float32: rows gathered in expert order, the grouped
+    GEMMs `gate_up` (silu(gate) * up) and `down` (`grouped_gate_up` and ragged_dot, or the Pallas kernels), then
+    back to token order."""
+    num_tokens, top_k = route_weights.shape
+    rows = jnp.take(x, order // top_k, axis=0)  # [R, D], expert by expert
+    out = down(gate_up(rows, w_gate_up, group_sizes), w_down, group_sizes)
+    # Back to token order: routed row r (token r // k, choice r % k) sits at the position where `order` holds r.
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    per_choice = jnp.take(out, position, axis=0).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tkd,tk->td", per_choice.astype(jnp.float32), route_weights)
+
+
+def _pallas_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, meta, mlp, split: ExpertSplit | None):
+    """`_routed_experts` with the Pallas grouped GEMMs; under a mesh, per device under shard_map on the expert
+    weights as they are split, and summed over the model axis where they are:
+    - tensor-parallel experts ("mlp" over the model axis): every row through each device's F slice of gate/up
+      and of down, which gives a partial sum of each row's output;
+    - expert parallelism ("experts" over it): a device holds E / tp whole experts, whose rows are a contiguous
+      run of the sorted (replicated) rows; it passes its experts' group sizes and the rows of the experts
+      before them as the kernels' row_offset, so its other rows come out zero, unread and uncopied.
+    The psum is of the combined [T, D] in float32, not of the [T * k, D] rows."""
+    kernel_options = dict(interpret=meta.interpret)
+    mesh = meta.mesh
+    if mesh is None or mesh.size == 1:
+        gate_up = partial(kernels.grouped_gate_up, **kernel_options)
+        down = partial(kernels.grouped_matmul, **kernel_options)
+        return _routed_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, gate_up=gate_up, down=down)
+    split = expert_split(x.shape[-1], mlp, mesh) if split is None else split
+    by_expert, by_hidden = split.w_gate_up[0] == MODEL_AXIS, split.w_gate_up[3] == MODEL_AXIS
+    if (split.w_down[0] == MODEL_AXIS, split.w_down[1] == MODEL_AXIS) != (by_expert, by_hidden):
+        raise ValueError(f"w_gate_up and w_down must split experts or their hidden alike, got {split}")
+    num_experts = group_sizes.shape[0]
+
+    def per_device(x, w_gate_up, w_down, order, group_sizes, route_weights):
+        row_offset = None
+        if by_expert:
+            local = w_gate_up.shape[0]
+            first = jax.lax.axis_index(MODEL_AXIS) * local
+            row_offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes, 0), dtype=jnp.int32)
+            group_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, local)
+        gate_up = partial(kernels.grouped_gate_up, row_offset=row_offset, **kernel_options)
+        down = partial(kernels.grouped_matmul, row_offset=row_offset, **kernel_options)
+        out = _routed_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, gate_up=gate_up, down=down)
+        return jax.lax.psum(out, MODEL_AXIS) if by_expert or by_hidden else out
+
+    replicated = PartitionSpec()
+    in_specs = (replicated, split.w_gate_up, split.w_down, replicated, replicated, replicated)
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=replicated, check_vma=False)
+    return run(x, w_gate_up, w_down, order, group_sizes, route_weights)
+
+
+def mlp_block(
+    x: Float[Array, "T D"],
+    weights: DenseMlp | ExpertMlp,
+    mlp: LayerMlp,
+    meta: AttentionMetadata | None = None,
+    split: ExpertSplit | None = None,
+) -> Float[Array, "T D"]:
+    """One layer's MLP on the normed input, as its declaration says: dense SwiGLU or the mixture of experts (its
+    grouped GEMMs as the step's metadata and the experts' split say: `experts_mlp`)."""
     if mlp.num_experts is None:
         return gated_mlp(x, weights.w_gate_up, weights.w_down)
-    return experts_mlp(x, weights, mlp)
+    return experts_mlp(x, weights, mlp, meta, split)

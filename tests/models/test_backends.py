@@ -1,7 +1,8 @@
 """The forward on the pallas backend (its fused kernels in interpret mode) against the xla backend, float32:
 a prefill step of two sequences and a decode step over the paged cache give the same logits and the same
-cache, with and without Qwen3's q/k norm (which keeps rope out of the fused kernel). Traced for the
-GPU, each layer without q/k norm runs one `rope_write_kv` and every residual add one `add_rms_norm`."""
+cache, with and without Qwen3's q/k norm (which keeps rope out of the fused kernel); the mixtures of experts'
+logits with their grouped GEMM kernels. Traced for the GPU, each layer without q/k norm runs one `rope_write_kv`,
+every residual add one `add_rms_norm` and every expert layer one `grouped_gate_up` and one `grouped_matmul`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ FAMILIES = {
         },
     ),
 }
+# The mixtures of experts (the grouped GEMM kernels on the pallas backend), one expert layer each: Qwen3-MoE with
+# q/k norm and renormalised top-k, Qwen2-MoE with its shared expert and top-k not renormalised, Mixtral.
+_EXPERTS = {"num_hidden_layers": 1, "num_experts_per_tok": 2}
+MOE_FAMILIES = {
+    "qwen3_moe": ("qwen3_moe", {**_EXPERTS, "head_dim": 16, "num_experts": 5, "moe_intermediate_size": 32}),
+    "qwen2_moe_shared": (
+        "qwen2_moe",
+        {**_EXPERTS, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    ),
+    "mixtral": ("mixtral", {**_EXPERTS, "num_local_experts": 5}),
+}
+FAMILIES.update(MOE_FAMILIES)
 # Step 1: prompts of 20 (blocks 1, 2) and 9 tokens (block 3). Step 2: one decode token each.
 STEPS = [
     dict(positions=[*range(20), *range(9)], slots=[*range(16, 36), *range(48, 57)], kv_lens=[20, 9], cu=[0, 20, 29]),
@@ -61,12 +74,14 @@ def _meta(step: dict, backend: str, interpret: bool) -> PagedAttentionMetadata:
     )
 
 
-def _run(name: str, backend: str, tiny_hf_config) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+def _run(
+    name: str, backend: str, tiny_hf_config, steps: list[dict] = STEPS
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     family, cfg, weights = _model(name, tiny_hf_config)
     cache = init_paged_cache(cfg, 8, 16, jnp.float32)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 31)
     logits, start = [], 0
-    for step in STEPS:
+    for step in steps:
         meta = _meta(step, backend, interpret=backend == "pallas")
         count = len(step["positions"])
 
@@ -95,6 +110,17 @@ def test_pallas_forward_matches_xla(name: str, tiny_hf_config) -> None:
         np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+# A decode step (4 routed rows, fewer than a row tile) for one family, a prefill step (58 rows) for each: every
+# step is interpret-compiled (~5 s a step on a 2-core CPU).
+@pytest.mark.parametrize(("name", "num_steps"), [("qwen3_moe", 1), ("qwen2_moe_shared", 2), ("mixtral", 1)])
+def test_pallas_moe_forward_matches_xla(name: str, num_steps: int, tiny_hf_config) -> None:
+    """The grouped GEMM kernels (with the fused attention kernels) against the XLA ragged_dots: the same logits."""
+    pallas_logits, _, _ = _run(name, "pallas", tiny_hf_config, STEPS[:num_steps])
+    xla_logits, _, _ = _run(name, "xla", tiny_hf_config, STEPS[:num_steps])
+    for ours, want in zip(pallas_logits, xla_logits, strict=True):
+        np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def _kernel_calls(jaxpr, counts: collections.Counter) -> collections.Counter:
     """How many times each Pallas kernel is called, by its name, through nested jaxprs (jit, shard_map)."""
     for eqn in jaxpr.eqns:
@@ -106,7 +132,7 @@ def _kernel_calls(jaxpr, counts: collections.Counter) -> collections.Counter:
     return counts
 
 
-@pytest.mark.parametrize("name", ["llama3_tied", "qwen3_qk_norm"])
+@pytest.mark.parametrize("name", ["llama3_tied", "qwen3_qk_norm", "qwen2_moe_shared"])
 def test_pallas_forward_calls_the_fused_kernels(name: str, tiny_hf_config) -> None:
     family, cfg, weights = _model(name, tiny_hf_config)
     cache = init_paged_cache(cfg, 8, 16, jnp.float32)
@@ -116,10 +142,14 @@ def test_pallas_forward_calls_the_fused_kernels(name: str, tiny_hf_config) -> No
     calls = _kernel_calls(jaxpr.jaxpr, collections.Counter())
     layers = cfg.num_layers
     # Qwen3 norms q and k before rope: its layers keep rope as XLA ops and write_kv.
-    assert calls["rope_write_kv"] == (0 if cfg.qk_norm else layers), calls
-    assert calls["write_kv"] == (layers if cfg.qk_norm else 0), calls
+    qk_norm = getattr(cfg, "base", cfg).qk_norm  # a mixture of experts' attention is its dense counterpart's
+    assert calls["rope_write_kv"] == (0 if qk_norm else layers), calls
+    assert calls["write_kv"] == (layers if qk_norm else 0), calls
     assert calls["add_rms_norm"] == 2 * layers, calls
     assert calls["ragged_paged_attention_decode"] + calls["ragged_paged_attention"] >= layers, calls
+    # Each expert layer's grouped GEMMs (Qwen2-MoE's shared expert and dense layers stay XLA GEMMs).
+    expert_layers = len(getattr(cfg, "moe_layers", ()))
+    assert calls["moe_gate_up"] == calls["moe_matmul"] == expert_layers, calls
 
 
 def test_a_forward_traces_its_decoder_layer_once(tiny_hf_config, monkeypatch) -> None:

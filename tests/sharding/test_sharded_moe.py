@@ -1,7 +1,9 @@
 """Mixture-of-experts models on tp=2 and tp=4 CPU meshes, with tensor-parallel experts (the default rules table:
 each expert's hidden split over the model axis) and with expert parallelism (EXPERT_PARALLEL_RULES: whole experts
 split over it), the dense forward partitioned by XLA, give the single-device logits. Qwen2-MoE (dense and expert
-layers, a shared expert, 8 experts) and Mixtral (4 experts: one a device at tp=4, a window of 8).
+layers, a shared expert, 8 experts) and Mixtral (4 experts: one a device at tp=4, a window of 8). The paged pallas
+backend too, its grouped GEMM kernels per device under shard_map as each table splits the experts (a prefill step
+against one device's xla backend).
 
 jax fixes its device count when it starts, so the check runs in a fresh process with four host devices.
 """
@@ -12,13 +14,17 @@ import textwrap
 
 import pytest
 
-CHECK = textwrap.dedent(
+# The paged pallas backend's meshes (each interpret-compiled: a few seconds on a 2-core CPU): Qwen2-MoE's 8
+# experts on 2 devices, Mixtral's 4 on 4 (one expert a device under expert parallelism).
+PALLAS_MESHES = (("qwen2_moe", 2), ("mixtral", 4))
+CHECK = f"PALLAS_MESHES = {PALLAS_MESHES!r}\n" + textwrap.dedent(
     """
     import json
     import jax, jax.numpy as jnp, numpy as np
     import transformers
     from jaxserve.models import registry
-    from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+    from jaxserve.models.attention import (
+        DenseAttentionMetadata, PagedAttentionMetadata, init_dense_cache, init_paged_cache, paged_cache_specs)
     from jaxserve.sharding.mesh import make_mesh
     from jaxserve.sharding.rules import EXPERT_PARALLEL_RULES, LOGICAL_AXIS_RULES, named_shardings
 
@@ -30,13 +36,14 @@ CHECK = textwrap.dedent(
     }
     RULES = {"tensor_parallel": LOGICAL_AXIS_RULES, "expert_parallel": EXPERT_PARALLEL_RULES}
     assert jax.device_count() == 4, jax.devices()
-    results = {}
+    results, models = {}, {}
     for name, (config_class, extra) in CONFIGS.items():
         hf = config_class(vocab_size=160, hidden_size=64, intermediate_size=128, num_attention_heads=8,
                           num_key_value_heads=4, max_position_embeddings=256, **extra)
         hf.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
         family, cfg = registry.resolve(hf.to_dict())
         checkpoint = family.init_weights(cfg, jax.random.key(0), jnp.float32)
+        models[name] = (family, cfg, checkpoint)
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, 160, size=24), jnp.int32)
         positions = jnp.arange(24, dtype=jnp.int32)
         meta = DenseAttentionMetadata(seq_ids=jnp.zeros(24, jnp.int32))
@@ -62,6 +69,54 @@ CHECK = textwrap.dedent(
                     shard=list(experts.w_gate_up.addressable_shards[0].data.shape),
                     full=list(experts.w_gate_up.shape),
                 )
+
+    # The paged pallas backend (kernels in interpret mode, per device under shard_map): a prefill step of two
+    # sequences (58 routed rows) on each mesh and rules table against one device's xla backend. A decode step
+    # takes the same path through the experts (tests/models/test_backends.py runs one on a device).
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    steps = [
+        dict(positions=[*range(20), *range(9)], slots=[*range(16, 36), *range(48, 57)], kv_lens=[20, 9],
+             cu=[0, 20, 29], max_q_len=None),
+    ]
+
+    def paged_logits(family, cfg, weights, backend, mesh, rules):
+        cache = init_paged_cache(cfg, 8, 16, jnp.float32)
+        if mesh is not None:
+            cache = jax.device_put(cache, named_shardings(paged_cache_specs(cfg, 8, 16), mesh))
+        token_ids = np.random.default_rng(1).integers(0, 160, 31)
+        logits, start, jaxprs = [], 0, []
+        for s in steps:
+            meta = PagedAttentionMetadata(
+                slot_mapping=i32(s["slots"]), block_table=i32([[1, 2], [3, 0]]), kv_lens=i32(s["kv_lens"]),
+                cu_q_lens=i32(s["cu"]), num_seqs=i32(2), backend=backend, max_q_len=s["max_q_len"], mesh=mesh,
+                interpret=backend == "pallas")
+
+            @jax.jit
+            def step(weights, cache, tokens, positions):
+                hidden, cache = family.forward(weights, tokens, positions, cache, meta, cfg, rules=rules)
+                return family.compute_logits(weights, hidden, cfg), cache
+
+            count = len(s["positions"])
+            args = (weights, cache, i32(token_ids[start : start + count]), i32(s["positions"]))
+            traced = step.trace(*args)
+            jaxprs.append(str(traced.jaxpr))
+            out, cache = traced.lower().compile()(*args)
+            logits.append(np.asarray(out))
+            start += count
+        return logits, jaxprs
+
+    for name, tp in PALLAS_MESHES:
+        family, cfg, checkpoint = models[name]
+        single, _ = paged_logits(family, cfg, family.to_serving(checkpoint, cfg), "xla", None, None)
+        mesh = make_mesh(tp=tp)
+        for rules_name, rules in RULES.items():
+            weights = family.to_serving(checkpoint, cfg, named_shardings(family.serving_specs(cfg), mesh, rules))
+            sharded, jaxprs = paged_logits(family, cfg, weights, "pallas", mesh, rules)
+            results[f"{name} tp={tp} {rules_name} pallas"] = dict(
+                errors=[float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(sharded, single)],
+                kernels=[text.count("name=moe_gate_up") + text.count("name=moe_matmul") for text in jaxprs],
+                shard_maps=[text.count("shard_map") for text in jaxprs],
+            )
     print(json.dumps(results))
     """
 )
@@ -85,3 +140,14 @@ def test_sharded_moe_logits_equal_single_device(sharded_results: dict, family: s
         assert result["gate_up"] == ["model", "None", "None", "None"] and result["down"] == ["model", "None", "None"]
         assert result["shard"] == [num_experts // tp, 64, 2, width]
     assert result["err"] < 1e-5, result
+
+
+@pytest.mark.parametrize(("family", "tp"), PALLAS_MESHES)
+@pytest.mark.parametrize("rules", ["tensor_parallel", "expert_parallel"])
+def test_sharded_pallas_moe_logits_equal_single_device(sharded_results: dict, family: str, tp: int, rules: str) -> None:
+    """The grouped GEMM kernels per device (each device's F slice of every expert, or its E / tp whole experts
+    over its run of the sorted rows), then the psum: a prefill step's logits are one device's."""
+    result = sharded_results[f"{family} tp={tp} {rules} pallas"]
+    assert max(result["errors"]) < 1e-5, result
+    # Both grouped GEMMs traced once per step (the expert layers share decoder_layer's trace), inside a shard_map.
+    assert result["kernels"] == [2] and min(result["shard_maps"]) > 0, result
