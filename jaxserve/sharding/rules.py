@@ -45,6 +45,12 @@ EXPERT_PARALLEL_RULES: dict[str, str | None] = {**LOGICAL_AXIS_RULES, "experts":
 Rules = Mapping[str, str | None]
 
 
+def rules_table(expert_parallel: bool) -> Rules:
+    """The table of an engine's experts' layout (`EngineConfig.enable_expert_parallel` as resolved): whole experts
+    over the model axis, or each expert's hidden."""
+    return EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
+
+
 def partition_spec(
     spec: ParamSpec, mesh: Mesh | AbstractMesh | Mapping[str, int], name: str = "", rules: Rules | None = None
 ) -> PartitionSpec:
