@@ -185,6 +185,7 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
         "attention_backend": args.attention_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
     }
 
 

@@ -198,6 +198,16 @@ def _add_engine_options(
         help="replicas of the model, each on its own tensor-parallel-size devices, sharing the requests by "
         "load (default: 1)",
     )
+    group.add_argument(
+        "-ep",
+        "--enable-expert-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a mixture of experts' layout under tensor parallelism: whole experts split over the devices "
+        "(--enable-expert-parallel) or each expert's hidden (--no-enable-expert-parallel); default: whole experts "
+        "where they divide over the devices (measured: docs/performance.md, 'MoE: expert layout'); a dense model "
+        "ignores it",
+    )
     group.add_argument("--max-batch-size", type=positive, metavar="N", help=max_batch_size_help)
     group.add_argument("--max-num-tokens", type=positive, metavar="N", help="tokens per step (default: 8192)")
     group.add_argument("--max-seq-len", type=_int_at_least(2), metavar="N", help=max_seq_len_help)

@@ -218,6 +218,12 @@ class EngineConfig:
         "processed_logprobs" (the distribution the token is drawn from: after penalties, temperature
         and the top-k / top-p / min-p filters; a greedy row's after penalties only). Prompt logprobs
         are always raw.
+    enable_expert_parallel: the experts' layout of a mixture-of-experts model under tensor parallelism, as
+        vLLM's option of that name: True puts E / tp whole experts on each device (E must divide by tp), False
+        splits every expert's hidden over the devices (tensor-parallel experts), None takes the default
+        (`runner.resolve_expert_parallel`: expert parallel where E divides by tp, as measured in docs/performance.md,
+        "MoE: expert layout").
+        A dense model has no experts: True is ignored there with a warning, as vLLM ignores it.
     """
 
     max_batch_size: int
@@ -230,6 +236,7 @@ class EngineConfig:
     dtype: str = "auto"
     auto_max_batch_size: bool = False
     logprobs_mode: str = "raw_logprobs"
+    enable_expert_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         _require_int("max_batch_size", self.max_batch_size, 1)
@@ -246,6 +253,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.enable_expert_parallel is not None and not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be None or a bool, got {self.enable_expert_parallel!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -331,6 +340,7 @@ def make_engine_config(
     dtype: str = "auto",
     auto_max_batch_size: bool = False,
     logprobs_mode: str = "raw_logprobs",
+    enable_expert_parallel: bool | None = None,
 ) -> EngineConfig:
     """An EngineConfig whose max_seq_len and max_num_tokens follow TensorRT-LLM's inference rules."""
     seq_len = infer_max_seq_len(hf_config, max_seq_len)
@@ -345,4 +355,5 @@ def make_engine_config(
         dtype=dtype,
         auto_max_batch_size=auto_max_batch_size,
         logprobs_mode=logprobs_mode,
+        enable_expert_parallel=enable_expert_parallel,
     )

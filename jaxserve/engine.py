@@ -47,9 +47,10 @@ from jaxserve.models.loader import load_from_pytree
 from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, make_requests
-from jaxserve.runner import Runner, resolve_backend
+from jaxserve.runner import Runner, resolve_backend, resolve_expert_parallel
 from jaxserve.sampling import MAX_LOGPROBS, FinishReason, RequestOutput, SamplingParams, validate_prompt_token_ids
 from jaxserve.scheduler import ScheduledBatch, ScheduledRow, Scheduler
+from jaxserve.sharding.mesh import MODEL_AXIS
 from jaxserve.step import RunnerSpec, StepOutput
 from jaxserve.step_inputs import StepInputsCache, make_step_inputs
 from jaxserve.step_table import default_executable_store_dir, enable_compilation_cache, resolve_lazy
@@ -492,8 +493,18 @@ def start_runner(
         enable_compilation_cache(config.compile.cache_dir)
     dtype = model_dtype(config.dtype, weights)
     threads = config.compile.compile_threads or default_compile_threads()
+    tp = mesh.shape[MODEL_AXIS] if mesh is not None else 1
     spec = RunnerSpec(
-        family, cfg, steps, dtype, backend, MAX_LOGPROBS, threads, logprobs_mode=config.logprobs_mode, kv_layout=layout
+        family,
+        cfg,
+        steps,
+        dtype,
+        backend,
+        MAX_LOGPROBS,
+        threads,
+        logprobs_mode=config.logprobs_mode,
+        kv_layout=layout,
+        expert_parallel=resolve_expert_parallel(config.enable_expert_parallel, cfg, tp),
     )
     store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
     # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends

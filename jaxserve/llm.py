@@ -93,6 +93,9 @@ class LLM:
         unseeded requests with seed + r.
     logprobs_mode: "raw_logprobs" (default) or "processed_logprobs": what sampled tokens' logprobs are
         taken over (`EngineConfig.logprobs_mode`, vLLM's option of that name).
+    enable_expert_parallel: a mixture of experts' layout under tensor parallelism (vLLM's option of that name):
+        True puts E / tp whole experts on each device, False splits each expert's hidden over them, None (the
+        default) chooses as `EngineConfig.enable_expert_parallel` says. Ignored, with a warning, for a dense model.
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
 
     `llm.model` is the model's description (family, config, Hugging Face config, sources) without its
@@ -118,6 +121,7 @@ class LLM:
         mesh: Mesh | None = None,
         mesh_axes: Mapping[str, str | None] | None = None,
         logprobs_mode: str = "raw_logprobs",
+        enable_expert_parallel: bool | None = None,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -141,6 +145,7 @@ class LLM:
             attention_backend=attention_backend,
             dtype=dtype,
             logprobs_mode=logprobs_mode,
+            enable_expert_parallel=enable_expert_parallel,
         )
         self.replicas = ReplicaSet(
             _start_engines(loaded, self.tokenizer, self.config, replica_meshes, seed=seed, show_progress=show_progress)

@@ -32,6 +32,7 @@ from jaxserve.executables import ExecutableStore
 from jaxserve.memory_probe import profile_memory
 from jaxserve.models.attention import PagedKVCache
 from jaxserve.models.common import delete_arrays
+from jaxserve.models.registry import ModelConfig
 from jaxserve.serving_weights import ServingWeights
 from jaxserve.sharding.mesh import MESH_AXES, MODEL_AXIS, make_mesh
 from jaxserve.step import RunnerSpec, StepOutput, StepState
@@ -233,6 +234,38 @@ def _check_heads_divide(spec: RunnerSpec, tp: int) -> None:
             f"num_kv_heads ({cfg.num_kv_heads}) and num_heads ({cfg.num_heads}) must be divisible "
             "by tp; use a tp that divides them or attention_backend='xla'"
         )
+
+
+# The experts' layout when EngineConfig.enable_expert_parallel is None: expert parallel (where the experts divide
+# over tp). On a CPU mesh (`benchmarks/moe_parallel.py`, docs/performance.md "MoE: expert layout") it ties with
+# tensor-parallel experts at tp=2 and is faster at tp=4; no GPU has measured it yet.
+EXPERT_PARALLEL_DEFAULT = True
+
+
+def resolve_expert_parallel(choice: bool | None, cfg: ModelConfig, tp: int) -> bool:
+    """Whether the experts of `cfg` are split by expert over tp devices (`EngineConfig.enable_expert_parallel`):
+    never for a dense model (True is ignored with a warning, as vLLM ignores it) or on one device (both layouts are
+    the whole weights); None: EXPERT_PARALLEL_DEFAULT where the experts divide over tp. True with experts that do
+    not divide over tp is refused."""
+    experts = sorted({mlp.num_experts for mlp in getattr(cfg, "mlp_layers", ()) if mlp.num_experts is not None})
+    if not experts:
+        if choice:
+            logger.warning("enable_expert_parallel=True is ignored: the model (%s) has no experts", type(cfg).__name__)
+        return False
+    indivisible = [count for count in experts if count % tp]
+    if choice and indivisible:
+        raise ValueError(
+            f"enable_expert_parallel=True puts E / tp whole experts on each device, but the model's {indivisible[0]} "
+            f"experts do not divide over tensor_parallel_size={tp}: use a tensor_parallel_size that divides "
+            f"{indivisible[0]}, or enable_expert_parallel=False (each expert's hidden split over the devices)"
+        )
+    if choice is None:
+        choice = EXPERT_PARALLEL_DEFAULT and not indivisible
+    resolved = choice and tp > 1
+    if tp > 1:
+        layout = "expert parallel (E / tp experts a device)" if resolved else "tensor-parallel (hidden split)"
+        logger.info("experts: %s over tp=%d", layout, tp)
+    return resolved
 
 
 def resolve_backend(backend: str) -> str:

@@ -22,8 +22,8 @@ class ServingWeights:
 
     def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh) -> None:
         self._family, self._cfg, self._dtype = spec.family, spec.cfg, spec.dtype
-        # The checkpoint layout in, the family's serving layout on the mesh, split by the rules table.
-        self.shardings = named_shardings(spec.family.serving_specs(spec.cfg), mesh)
+        # The checkpoint layout in, the family's serving layout on the mesh, split by the spec's rules table.
+        self.shardings = named_shardings(spec.family.serving_specs(spec.cfg), mesh, spec.rules)
         self.arrays: Any = spec.family.to_serving(weights, spec.cfg, self.shardings, spec.dtype)
         self.abstract = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding), self.arrays)
         self._host: Any = None  # the weights while offloaded (`offload`)

@@ -15,7 +15,8 @@ host time even for the sampler (see docs/performance.md), and the forward's argm
 just written costs the sampling steps little. Neither call has a device-side conditional, so the host
 never waits inside a call. Under tensor parallelism the weights and the cache are split over the mesh's
 model axis by the rules table (the Pallas kernels run per device under shard_map,
-jaxserve/models/attention.py).
+jaxserve/models/attention.py); a mixture of experts' experts are split by expert or by hidden as
+`RunnerSpec.expert_parallel` says.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_log
 from jaxserve.models.attention import PagedAttentionMetadata, PagedKVCache
 from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.sampler import sample_with_logits
+from jaxserve.sharding.rules import Rules, rules_table
 from jaxserve.step_inputs import SamplingInputs, StepInputs, TokenHistory, register_device_pytrees
 from jaxserve.variants import SamplerMode, StepConfig
 
@@ -103,10 +105,16 @@ class RunnerSpec:
     compile_threads: int = 1
     logprobs_mode: str = "raw_logprobs"  # EngineConfig.logprobs_mode
     kv_layout: KVLayout | None = None  # the KV pool's layer groups; None: one group of every layer
+    expert_parallel: bool = False  # EngineConfig.enable_expert_parallel as resolved: whole experts a device
 
     @property
     def layout(self) -> KVLayout:
         return self.kv_layout if self.kv_layout is not None else kv_layout([None] * self.cfg.num_layers)
+
+    @property
+    def rules(self) -> Rules:
+        """The rules table the weights, the KV pool and the step's experts are split by."""
+        return rules_table(self.expert_parallel)
 
 
 def forward_fn(
@@ -135,7 +143,10 @@ def forward_fn(
         mesh=mesh,
         kv_layout=spec.kv_layout,
     )
-    hidden, kv_cache = family.forward(weights, token_ids, inputs.positions, kv_cache, meta, cfg)
+    # Only a mixture of experts is ever expert-parallel (`runner.resolve_expert_parallel`), and only its forward
+    # takes the table, whose split its Pallas grouped GEMMs run per device under (XLA partitions the rest).
+    table = {"rules": spec.rules} if spec.expert_parallel else {}
+    hidden, kv_cache = family.forward(weights, token_ids, inputs.positions, kv_cache, meta, cfg, **table)
     logits = family.compute_logits(weights, hidden[inputs.logits_indices], cfg)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, inputs.banned_tokens].set(-jnp.inf, mode="drop")

@@ -138,7 +138,7 @@ class StepTable:
             prompt_logprobs=prompt_logprobs,
         )
         specs = cache_specs(self.spec, num_blocks)
-        cache_shardings = named_shardings(specs, self.mesh)
+        cache_shardings = named_shardings(specs, self.mesh, self.spec.rules)
         cache = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh), specs, cache_shardings
         )
@@ -280,8 +280,8 @@ def cache_specs(spec: RunnerSpec, num_blocks: int) -> PagedKVCache:
 
 
 def zero_cache(spec: RunnerSpec, mesh: Mesh, num_blocks: int) -> PagedKVCache:
-    """A zeroed KV pool of num_blocks blocks, allocated on the mesh in the rules table's layout."""
-    shardings = named_shardings(cache_specs(spec, num_blocks), mesh)
+    """A zeroed KV pool of num_blocks blocks, allocated on the mesh in the spec's rules table's layout."""
+    shardings = named_shardings(cache_specs(spec, num_blocks), mesh, spec.rules)
     build = partial(
         init_paged_cache, spec.cfg, num_blocks, spec.steps.buckets.block_size, spec.dtype, spec.layout.layers_per_page
     )
