@@ -97,10 +97,13 @@ class IdTextTokenizer(TokenIdTokenizer):
 def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
     """A model of a known shape (`jaxserve.models.shapes`) with random weights; dtype "auto" as `LLM` resolves it.
 
-    Drawn on the device, then held on the host (numpy), as a checkpoint loader returns them: the engine
-    places its serving layout layer by layer, so the device never keeps a second copy of the weights."""
+    Drawn on the device one tensor at a time (each a compiled call of the family's `init_weights` that keeps
+    only that tensor), then held on the host (numpy), as a checkpoint loader returns them: the engine places
+    its serving layout layer by layer, so the device never holds more than the serving weights and one tensor
+    (a 30B mixture of experts drawn whole would not fit beside its own float32 draws on an 80 GB card)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from jaxserve.llm import resolve_dtype
     from jaxserve.models import registry
@@ -108,7 +111,13 @@ def random_model(name: str, dtype: str = "auto", seed: int = 0) -> LoadedModel:
 
     hf_config = shapes.shape(name)
     family, cfg = registry.resolve(hf_config)
-    weights = jax.device_get(family.init_weights(cfg, jax.random.key(seed), jnp.dtype(resolve_dtype(dtype))))
+    key, dt = jax.random.key(seed), jnp.dtype(resolve_dtype(dtype))
+    treedef = jax.tree.structure(jax.eval_shape(lambda k: family.init_weights(cfg, k, dt), key))
+    leaves = []
+    for i in range(treedef.num_leaves):
+        draw = jax.jit(lambda k, i=i: jax.tree.leaves(family.init_weights(cfg, k, dt))[i])
+        leaves.append(np.asarray(jax.device_get(draw(key))))
+    weights = jax.tree.unflatten(treedef, leaves)
     return LoadedModel(family, cfg, weights, hf_config, None, f"{name} (random weights)")
 
 
