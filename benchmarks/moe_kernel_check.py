@@ -236,6 +236,7 @@ def sweep(shape: MoeShape, tilings: list[str], ceilings: dict[str, float]) -> No
     """The kernels' wall time per call (bf16) under each tiling at each size, one table; a tiling that fails to
     compile or run (e.g. more shared memory than the card has) prints its error and a dash."""
     rng = np.random.default_rng(0)
+    print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['matmul_TFLOPs']:.1f} TFLOP/s (% mm is of it)")
     print("| kernel | tokens | rows | tiling | µs | TFLOP/s | % mm |")
     print("|---|---:|---:|---|---:|---:|---:|")
     for tokens in shape.tokens:
