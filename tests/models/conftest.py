@@ -8,7 +8,10 @@ Exposed as fixtures that return functions, so any test file under tests/models c
     `checkpoint_rules` strictly (an unknown, duplicate or missing tensor fails the test);
   - `write_gguf(path, arch, hf_config, tensors, qtype=None, *, token_scores=False) -> path`: a GGUF file
     written with gguf's GGUFWriter the way llama.cpp's converter writes one (llama: q/k rows permuted;
-    gemma, gemma2, gemma3: 1 added to every norm weight, Gemma's metadata keys).
+    gemma, gemma2, gemma3: 1 added to every norm weight, Gemma's metadata keys);
+  - `write_gguf_named(path, arch, hf_config, {gguf_name: (array, qtype)}) -> path`: the same file of tensors
+    already named (and stacked, permuted) as llama.cpp names them;
+  - `our_logits(loaded_model, token_ids)`, `hf_logits(torch_model, token_ids)`: one sequence's logits.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 
+from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
 from jaxserve.models.common import ParamSpec
 
 # hidden 64, 4 query heads sharing 2 kv heads, 2 layers, vocab 160: big enough for GQA, small to compile.
@@ -211,11 +216,17 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def make_gguf(
-    path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None, *, token_scores: bool = False
+def write_gguf_tensors(
+    path: Path,
+    arch: str,
+    config: dict,
+    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]],
+    *,
+    token_scores: bool = False,
 ) -> Path:
-    """A GGUF file of Hugging Face-named tensors as llama.cpp's converter writes it (see the module docstring).
-    token_scores: also write a score per token, from which transformers can build the tokenizer."""
+    """A GGUF file of llama.cpp-named tensors, each stored as its qtype (None: F32), with the metadata
+    llama.cpp's converter writes for `config` (the expert keys where it has experts, Gemma's keys for
+    Gemma). token_scores: also write a score per token, from which transformers can build the tokenizer."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -227,11 +238,40 @@ def make_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if arch in _GEMMA_ARCHS:
         _add_gemma_keys(writer, arch, config)
+    elif config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if config.get("num_experts") or config.get("num_local_experts"):
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([chr(0x100 + i) for i in range(config["vocab_size"])])
     if token_scores:
         writer.add_token_scores([0.0] * config["vocab_size"])
+    for name, (array, qtype) in tensors.items():
+        array = np.ascontiguousarray(array, np.float32)
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def make_gguf(
+    path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None, *, token_scores: bool = False
+) -> Path:
+    """A GGUF file of Hugging Face-named tensors as llama.cpp's converter writes it (see the module docstring):
+    matrices stored as `qtype`, the rest F32."""
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    named = {}
     for name, array in tensors.items():
         array = array.astype(np.float32)
         proj = name.split(".")[-2]
@@ -239,15 +279,25 @@ def make_gguf(
             array = llama_cpp_permute(array, heads[proj])
         if arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
             array = array + np.float32(1.0)  # llama.cpp's norm multiplies by w, Gemma's by 1 + w
-        if qtype is not None and array.ndim == 2:
-            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name(name, arch), array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        named[gguf_name(name, arch)] = (array, qtype if array.ndim == 2 else None)
+    return write_gguf_tensors(path, arch, config, named, token_scores=token_scores)
+
+
+def dense_logits(loaded: Any, token_ids: list[int]) -> np.ndarray:
+    """A loaded model's logits for one sequence, by the family's dense forward."""
+    n = len(token_ids)
+    cache = init_dense_cache(loaded.config, 1, n, loaded.weights.embed.dtype)
+    meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
+    weights = loaded.family.to_serving(loaded.weights, loaded.config)
+    hidden, _ = loaded.family.forward(
+        weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
+    )
+    return np.asarray(loaded.family.compute_logits(weights, hidden, loaded.config))
+
+
+def torch_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +328,18 @@ def weights_from_state_dict() -> Callable[..., Any]:
 @pytest.fixture(scope="session")
 def write_gguf() -> Callable[..., Path]:
     return make_gguf
+
+
+@pytest.fixture(scope="session")
+def write_gguf_named() -> Callable[..., Path]:
+    return write_gguf_tensors
+
+
+@pytest.fixture(scope="session")
+def our_logits() -> Callable[..., np.ndarray]:
+    return dense_logits
+
+
+@pytest.fixture(scope="session")
+def hf_logits() -> Callable[..., np.ndarray]:
+    return torch_logits

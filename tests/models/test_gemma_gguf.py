@@ -6,7 +6,6 @@ assumes itself."""
 from __future__ import annotations
 
 import gguf
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -14,9 +13,8 @@ from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file
 
 from jaxserve.models import gemma
-from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
 from jaxserve.models.gguf import hf_config_from_metadata, hf_tensor_name, open_gguf
-from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
@@ -58,22 +56,6 @@ CASES = {
 }
 
 
-def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
-    n = len(token_ids)
-    cache = init_dense_cache(loaded.config, 1, n, loaded.weights.embed.dtype)
-    meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
-    weights = loaded.family.to_serving(loaded.weights, loaded.config)
-    hidden, _ = loaded.family.forward(
-        weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
-    )
-    return np.asarray(loaded.family.compute_logits(weights, hidden, loaded.config))
-
-
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].numpy()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory, tiny_hf_config, hf_model):
     model_type, arch, overrides = CASES[request.param]
@@ -84,7 +66,7 @@ def case(request, tmp_path_factory, tiny_hf_config, hf_model):
     return arch, config, model, load_file(root / "hf" / "model.safetensors"), root
 
 
-def test_f32_gemma_gguf_matches_transformers(case, write_gguf):
+def test_f32_gemma_gguf_matches_transformers(our_logits, hf_logits, case, write_gguf):
     arch, config, model, tensors, root = case
     path = write_gguf(root / "f32.gguf", arch, config, tensors)
     hf = open_gguf(path).hf_config
@@ -105,7 +87,7 @@ def test_f32_gemma_gguf_matches_transformers(case, write_gguf):
 
 
 @pytest.mark.parametrize("case", ["gemma3"], indirect=True)
-def test_q8_0_gemma3_gguf_is_dequantised(case, write_gguf, hf_model):
+def test_q8_0_gemma3_gguf_is_dequantised(our_logits, hf_logits, case, write_gguf, hf_model):
     arch, config, model, tensors, root = case
     path = write_gguf(root / "q8.gguf", arch, config, tensors, qtype=GGMLQuantizationType.Q8_0)
     loaded = load_model(path, dtype="float32")

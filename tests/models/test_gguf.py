@@ -16,28 +16,11 @@ from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file
 
 from jaxserve.models import hub
-from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
 from jaxserve.models.convert import cached_conversion
 from jaxserve.models.gguf import hf_config_from_metadata, hf_tensor_name, llama3_divisors, open_gguf
-from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.models.loader import load_model
 
 TOKENS = [3, 17, 42, 99, 5, 150, 8]
-
-
-def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
-    n = len(token_ids)
-    cache = init_dense_cache(loaded.config, 1, n, loaded.weights.embed.dtype)
-    meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
-    weights = loaded.family.to_serving(loaded.weights, loaded.config)
-    hidden, _ = loaded.family.forward(
-        weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
-    )
-    return np.asarray(loaded.family.compute_logits(weights, hidden, loaded.config))
-
-
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].numpy()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +41,7 @@ def test_hf_names():
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
 
 
-def test_f32_llama_gguf_matches_transformers(tiny, write_gguf):
+def test_f32_llama_gguf_matches_transformers(our_logits, hf_logits, tiny, write_gguf):
     model, config, tensors, root = tiny
     path = write_gguf(root / "f32.gguf", "llama", config, tensors)
     checkpoint = open_gguf(path)
@@ -74,7 +57,7 @@ def test_f32_llama_gguf_matches_transformers(tiny, write_gguf):
     np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), rtol=1e-4, atol=1e-4)
 
 
-def test_q8_0_llama_gguf_is_dequantised(tiny, write_gguf):
+def test_q8_0_llama_gguf_is_dequantised(our_logits, hf_logits, tiny, write_gguf):
     model, config, tensors, root = tiny
     path = write_gguf(root / "q8.gguf", "llama", config, tensors, qtype=GGMLQuantizationType.Q8_0)
     loaded = load_model(path, dtype="float32")
@@ -88,7 +71,7 @@ def test_q8_0_llama_gguf_is_dequantised(tiny, write_gguf):
     np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), atol=0.1)
 
 
-def test_qwen2_gguf_keeps_rows_and_biases(tmp_path, tiny_hf_config, hf_model, write_gguf):
+def test_qwen2_gguf_keeps_rows_and_biases(our_logits, hf_logits, tmp_path, tiny_hf_config, hf_model, write_gguf):
     config = tiny_hf_config("qwen2", tie_word_embeddings=True)
     model = hf_model(config)
     model.save_pretrained(tmp_path / "hf")

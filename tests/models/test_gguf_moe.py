@@ -9,11 +9,11 @@ sparse, the routing renormalisation llama.cpp assumes) and the errors for a miss
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -22,10 +22,9 @@ from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.models import llama_moe
-from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
 from jaxserve.models.files import ModelFileError
 from jaxserve.models.gguf import hf_config_from_metadata, open_gguf
-from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
@@ -124,41 +123,6 @@ def gguf_tensors(arch: str, config: dict, tensors: dict[str, np.ndarray]) -> dic
     return out
 
 
-def write_gguf(path: Path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype=None) -> Path:
-    """A GGUF file with the metadata llama.cpp's converter writes for these architectures; `qtype` where
-    `quantised` says."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    if config.get("head_dim"):
-        writer.add_key_length(config["head_dim"])
-        writer.add_value_length(config["head_dim"])
-    rope = config.get("rope_parameters") or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    if "moe_intermediate_size" in config:
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    if "shared_expert_intermediate_size" in config:
-        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    for name, array in tensors.items():
-        array = np.ascontiguousarray(array, np.float32)
-        if quantised(name, array, qtype):
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @dataclass
 class Case:
     arch: str
@@ -166,6 +130,7 @@ class Case:
     model: torch.nn.Module
     hf_tensors: dict[str, np.ndarray]  # what save_pretrained wrote, float32
     directory: Path
+    write_gguf_named: Callable[..., Path]
 
     def dequantised(self, qtype: GGMLQuantizationType | None) -> dict[str, np.ndarray]:
         """The Hugging Face tensors as a `qtype` file holds them (rounding twice rounds as once)."""
@@ -173,8 +138,8 @@ class Case:
 
     def write(self, name: str, qtype=None, *, drop: tuple[str, ...] = ()) -> Path:
         tensors = gguf_tensors(self.arch, self.hf_config, self.dequantised(qtype))
-        tensors = {k: v for k, v in tensors.items() if k not in drop}
-        return write_gguf(self.directory / name, self.arch, self.hf_config, tensors, qtype)
+        stored = {k: (v, qtype if quantised(k, v, qtype) else None) for k, v in tensors.items() if k not in drop}
+        return self.write_gguf_named(self.directory / name, self.arch, self.hf_config, stored)
 
     def dequantised_model(self, qtype: GGMLQuantizationType) -> torch.nn.Module:
         """transformers' model of the weights a `qtype` file holds."""
@@ -189,7 +154,7 @@ class Case:
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def case(request, tmp_path_factory, tiny_hf_config, hf_model) -> Case:
+def case(request, tmp_path_factory, tiny_hf_config, hf_model, write_gguf_named) -> Case:
     model_type, overrides = FAMILIES[request.param]
     config = tiny_hf_config(model_type, **overrides)
     model = hf_model(config)
@@ -199,26 +164,11 @@ def case(request, tmp_path_factory, tiny_hf_config, hf_model) -> Case:
                 param.mul_(ROUTER_SCALE)
     directory = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(directory / "hf")
-    return Case(request.param, config, model, load_file(directory / "hf" / "model.safetensors"), directory)
+    tensors = load_file(directory / "hf" / "model.safetensors")
+    return Case(request.param, config, model, tensors, directory, write_gguf_named)
 
 
-def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
-    n = len(token_ids)
-    cache = init_dense_cache(loaded.config, 1, n, loaded.weights.embed.dtype)
-    meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
-    weights = loaded.family.to_serving(loaded.weights, loaded.config)
-    hidden, _ = loaded.family.forward(
-        weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
-    )
-    return np.asarray(loaded.family.compute_logits(weights, hidden, loaded.config))
-
-
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].numpy()
-
-
-def test_f32_gguf_logits_equal_transformers(case: Case) -> None:
+def test_f32_gguf_logits_equal_transformers(our_logits, hf_logits, case: Case) -> None:
     loaded = load_model(case.write("f32.gguf"), dtype="float32")
     cfg, hf = loaded.config, case.hf_config
     assert loaded.family is llama_moe and cfg.model_type == FAMILIES[case.arch][0]
@@ -239,7 +189,9 @@ def assert_close(ours: np.ndarray, ref: np.ndarray) -> None:
 @pytest.mark.parametrize(
     "qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.BF16], ids=lambda q: q.name
 )
-def test_quantised_gguf_equals_transformers_on_its_values(case: Case, qtype: GGMLQuantizationType) -> None:
+def test_quantised_gguf_equals_transformers_on_its_values(
+    our_logits, hf_logits, case: Case, qtype: GGMLQuantizationType
+) -> None:
     loaded = load_model(case.write(f"{qtype.name}.gguf", qtype), dtype="float32")
     # The stacked experts come back as their per-expert rows, exactly as dequantised.
     up = case.hf_tensors[llama_moe.expert_tensor_name(FAMILIES[case.arch][0], 1, 2, "up")]

@@ -19,14 +19,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.models import hub, llama
-from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
 from jaxserve.models.common import CheckpointRule, ParamSpec
 from jaxserve.models.loader import (
-    LoadedModel,
     load_from_pytree,
     load_from_tensors,
     load_model,
@@ -35,22 +32,6 @@ from jaxserve.models.loader import (
 )
 
 TOKENS = [3, 17, 42, 99, 5, 150, 8]
-
-
-def our_logits(loaded: LoadedModel, token_ids: list[int]) -> np.ndarray:
-    n = len(token_ids)
-    cache = init_dense_cache(loaded.config, 1, n, loaded.weights.embed.dtype)
-    meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
-    weights = loaded.family.to_serving(loaded.weights, loaded.config)
-    hidden, _ = loaded.family.forward(
-        weights, jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, meta, loaded.config
-    )
-    return np.asarray(loaded.family.compute_logits(weights, hidden, loaded.config))
-
-
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].numpy()
 
 
 def write_checkpoint(directory: Path, hf_config: dict, shards: list[dict[str, np.ndarray]], index: str | None = None):
@@ -89,7 +70,9 @@ def tiny_llama(tmp_path_factory, tiny_hf_config, hf_model):
     "family,overrides",
     [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}), ("qwen3", {"head_dim": 32})],
 )
-def test_hf_directory_matches_transformers(tmp_path, tiny_hf_config, hf_model, family, overrides):
+def test_hf_directory_matches_transformers(
+    our_logits, hf_logits, tmp_path, tiny_hf_config, hf_model, family, overrides
+):
     config = tiny_hf_config(family, **overrides)
     model = hf_model(config)
     model.save_pretrained(tmp_path)
