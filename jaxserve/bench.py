@@ -30,6 +30,8 @@ significant digits.
                          "kv_tokens", "kv_gib" (over every replica), "load_s", "init_s" (engine
                          construction: profile, KV pool, compiling), "warmup_s" (of which compiling),
                          "compiled_executables" (forwards and samplers, over every replica),
+                         "experts" (a mixture of experts' layout: "expert_parallel" | "tensor_parallel" |
+                         "one_device"; null for a dense model),
                          "lowering_s", "xla_compile_s" (of the executables compiled at warmup rather than
                          loaded from the step store: tracing and lowering them, which holds the GIL, and
                          XLA's compile, which the compile threads overlap; summed over executables),
@@ -240,6 +242,17 @@ class EngineSummary:
     lowering_s: float
     xla_compile_s: float
     gpu_client: str | None = None  # gpu_client.active_client: "tfrt" | "stream_executor"; None off a GPU
+    experts: str | None = None  # expert_layout; None for a dense model
+
+
+def expert_layout(cfg: Any, expert_parallel: bool, tensor_parallel_size: int) -> str | None:
+    """How a mixture of experts' experts lie on the devices: "expert_parallel" (E / tp whole experts a device),
+    "tensor_parallel" (each expert's hidden split), "one_device"; None for a dense model."""
+    if not any(mlp.num_experts is not None for mlp in getattr(cfg, "mlp_layers", ())):
+        return None
+    if tensor_parallel_size == 1:
+        return "one_device"
+    return "expert_parallel" if expert_parallel else "tensor_parallel"
 
 
 def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
@@ -248,11 +261,12 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
     from jaxserve.sharding.mesh import MODEL_AXIS
 
     engines, config, spec = llm.engines, llm.config, llm.engine.runner.spec
+    tp = int(llm.engine.runner.mesh.shape[MODEL_AXIS])
     return EngineSummary(
         model=llm.model.source,
         backend=spec.backend,
         dtype=np.dtype(spec.dtype).name,
-        tensor_parallel_size=int(llm.engine.runner.mesh.shape[MODEL_AXIS]),
+        tensor_parallel_size=tp,
         data_parallel_size=len(engines),
         max_batch_size=config.max_batch_size,
         max_num_tokens=config.max_num_tokens,
@@ -267,6 +281,7 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         lowering_s=sum(e.runner.table.compile_seconds()[0] for e in engines),
         xla_compile_s=sum(e.runner.table.compile_seconds()[1] for e in engines),
         gpu_client=gpu_client.active_client(llm.engine.runner.mesh.devices.flat[0].platform),
+        experts=expert_layout(spec.cfg, spec.expert_parallel, tp),
     )
 
 
@@ -542,7 +557,8 @@ def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
     return [
         f"jaxserve bench {kind}: {e.model}",
         f"engine              {e.backend} backend, {e.dtype}, tensor parallel {e.tensor_parallel_size}, "
-        f"data parallel {e.data_parallel_size}{'' if e.gpu_client is None else f', GPU client {e.gpu_client}'}; "
+        f"data parallel {e.data_parallel_size}{'' if e.gpu_client is None else f', GPU client {e.gpu_client}'}"
+        f"{'' if e.experts is None else f', experts {e.experts}'}; "
         f"max_batch_size {e.max_batch_size}, max_num_tokens {e.max_num_tokens}, max_seq_len {e.max_seq_len}",
         f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
         f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s; summed over those not loaded "

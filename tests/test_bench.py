@@ -43,6 +43,7 @@ ENGINE_KEYS = {
     "lowering_s",
     "xla_compile_s",
     "gpu_client",
+    "experts",
 }
 STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
 PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
@@ -454,6 +455,7 @@ def test_latency_end_to_end_on_random_weights(capsys, tmp_path):
     record = json.loads(capsys.readouterr().out)
     assert set(record) == LATENCY_KEYS and record["engine"]["max_batch_size"] == 1
     assert record["engine"]["gpu_client"] is None  # a CPU run
+    assert record["engine"]["experts"] is None  # a dense model
     assert (record["batch_size"], record["input_len"], record["output_len"]) == (1, 8, 4)
     assert (record["num_iters"], record["num_warmup"], len(record["iteration_latencies_s"])) == (3, 1, 3)
     # forwards: decode 1, prefill 8, and max_num_tokens = 12; samplers: 1 row in 2 modes (greedy
@@ -497,3 +499,14 @@ def test_iteration_summary_splits_host_time_by_kind_of_step(tmp_path):
     assert rows["all steps"] == ["4", "4.750", "2.500", "2.250", "4.00", "30.00", "15.8%"]
     assert rows["decode-only"] == ["3", "3.333", "2.000", "1.333", "3.00", "20.00", "16.7%"]
     assert rows["decode, 8-row bucket"] == ["2", "4.000", "2.500", "1.500", "3.00", "30.00", "13.3%"]
+
+
+def test_expert_layout_is_named_for_a_mixture_of_experts_only():
+    from jaxserve.bench import expert_layout
+    from jaxserve.models import llama, llama_moe, shapes
+
+    moe = llama_moe.MoeConfig.from_hf(shapes.shape("qwen3-30b-a3b"))
+    assert expert_layout(moe, False, 1) == "one_device"
+    assert expert_layout(moe, True, 4) == "expert_parallel"
+    assert expert_layout(moe, False, 4) == "tensor_parallel"
+    assert expert_layout(llama.LlamaConfig.from_hf(shapes.shape("llama-3.1-8b")), False, 4) is None
