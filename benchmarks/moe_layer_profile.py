@@ -7,8 +7,8 @@ against each piece's floor, at Qwen3-30B-A3B's shapes (E=128, D=2048, F=768, top
 Pieces, each its own jit, in the order the layer runs them (R = T x k routed rows):
   route     the router GEMM [T, D] x [D, E] in float32, softmax, top-k (`moe.route`)
   sort      the rows' order by expert and the group sizes (`moe.sort_by_expert`: argsort, bincount)
-  gather    the [R, D] rows in expert order (`jnp.take`)
-  gate_up   silu(gate) x up, the grouped Pallas GEMM [R, D] x [E, D, 2F]
+  gate_up   silu(gate) x up, the grouped Pallas GEMM [R, D] x [E, D, 2F], its rows gathered from the [T, D] tokens
+            in its loads (lhs_rows)
   down      the grouped Pallas GEMM [R, F] x [E, F, D]
   combine   back to token order and the weighted sum over the k choices, float32
   layer     the whole `experts_mlp` in one jit (what a step runs; less than the sum where XLA fuses)
@@ -73,8 +73,8 @@ def profile(tokens: int, interpret: bool, ceilings: dict[str, float] | None) -> 
 
     expert_ids, route_weights = jax.jit(moe.route, static_argnums=(2, 3))(x, weights.router, k, mlp.normalize_top_k)
     order, sizes = jax.jit(moe.sort_by_expert, static_argnums=1)(expert_ids, e)
-    gathered = jnp.take(x, order // k, axis=0)
-    hidden = kernels.grouped_gate_up(gathered, weights.w_gate_up, sizes, **opts)
+    token_of_row = order // k
+    hidden = kernels.grouped_gate_up(x, weights.w_gate_up, sizes, lhs_rows=token_of_row, **opts)
     out = kernels.grouped_matmul(hidden, weights.w_down, sizes, **opts)
     hit = int((np.asarray(sizes) > 0).sum())
 
@@ -94,12 +94,11 @@ def profile(tokens: int, interpret: bool, ceilings: dict[str, float] | None) -> 
             2 * tokens * dim * e,
         ),
         ("sort", lambda ids: moe.sort_by_expert(ids, e), (expert_ids,), rows * 4 * 2 + e * 4, 0),
-        ("gather", lambda x, o: jnp.take(x, o // k, axis=0), (x, order), (tokens + rows) * dim * item, 0),
         (
             "gate_up",
-            lambda a, w, s: kernels.grouped_gate_up(a, w, s, **opts),
-            (gathered, weights.w_gate_up, sizes),
-            (hit * dim * 2 * f + rows * dim + rows * f) * item,
+            lambda a, w, s, r: kernels.grouped_gate_up(a, w, s, lhs_rows=r, **opts),
+            (x, weights.w_gate_up, sizes, token_of_row),
+            (hit * dim * 2 * f + tokens * dim + rows * f) * item + rows * 4,
             2 * rows * dim * 2 * f,
         ),
         (

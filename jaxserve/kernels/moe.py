@@ -5,7 +5,10 @@ jnp references, their tiling and the tile table they run over.
 owns the next group_sizes[g] rows and multiplies them by rhs[g]; rows past sum(group_sizes) (the step's
 padding) come out as zeros. `grouped_gate_up` is the gate/up projection with silu(gate) * up in its
 epilogue. Both take an optional `row_offset`: the groups start at that row and the rows before it come
-out as zeros (an expert-parallel device's share of the whole row set, without copying rows). Legend beyond
+out as zeros (an expert-parallel device's share of the whole row set, without copying rows); and an optional
+`lhs_rows`: row r of the product reads lhs[lhs_rows[r]], so the layer's gather of each routed row's token
+happens in the kernel's loads (from L2: the step's tokens are read k times) instead of writing and reading
+a [R, D] copy. Legend beyond
 docs' (STYLE.md): R routed rows (tokens x top-k, sorted by expert, padded to the step's bucket), Din / Dout
 a generic product's input and output widths (F and D for the down projection).
 
@@ -170,6 +173,7 @@ class GemmParams:
     fused: bool  # gate/up pair with silu(gate) * up in the epilogue
     tiling: MoeTiling
     offset: bool = False  # a leading run of zero rows (row_offset): one more group
+    gather: bool = False  # lhs_rows: row r reads lhs row lhs_rows[r]
 
     @property
     def slots(self) -> int:
@@ -200,7 +204,8 @@ def _dims_mask(idx: jax.Array, size: int, block: int) -> jax.Array | None:
 
 
 def _expert_product(lhs_ref, rhs_ref, expert, rows, row_ok, cols, p: GemmParams) -> jax.Array:
-    """The float32 product of a row tile by its expert's columns (silu(gate) * up when fused): [bm, bn]."""
+    """The float32 product of a row tile (lhs rows `rows`) by its expert's columns (silu(gate) * up when fused):
+    [bm, bn]."""
     t = p.tiling
     col_ok = _dims_mask(cols, p.dim_out, t.block_n)
     w_cols = cols[None, :]
@@ -227,7 +232,8 @@ def _expert_product(lhs_ref, rhs_ref, expert, rows, row_ok, cols, p: GemmParams)
     return jax.nn.silu(acc[0]) * acc[1] if p.fused else acc
 
 
-def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, lhs_ref, rhs_ref, out_ref, *, p: GemmParams):
+def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, *refs, p: GemmParams):
+    lhs_rows_ref, lhs_ref, rhs_ref, out_ref = refs if p.gather else (None, *refs)
     slot, n_tile = _program_tile(p)
     t = p.tiling
 
@@ -243,7 +249,8 @@ def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, lhs_ref, rhs_ref, 
 
         @pl.when(expert < p.num_experts)
         def _():
-            out = _expert_product(lhs_ref, rhs_ref, expert, rows, row_ok, cols, p)
+            lhs_rows = rows if lhs_rows_ref is None else plgpu.load(lhs_rows_ref.at[rows], mask=row_ok, other=0)
+            out = _expert_product(lhs_ref, rhs_ref, expert, lhs_rows, row_ok, cols, p)
             plgpu.store(out_ref.at[out_idx], out.astype(out_ref.dtype), mask=out_mask)
 
         @pl.when(expert == p.num_experts)  # padding rows: zeros, nothing read
@@ -252,9 +259,10 @@ def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, lhs_ref, rhs_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("fused", "tiling", "interpret"))
-def _grouped(lhs, rhs, group_sizes, row_offset, *, fused: bool, tiling: MoeTiling, interpret: bool):
-    num_rows, dim_in = lhs.shape
-    p = GemmParams(num_rows, dim_in, rhs.shape[-1], rhs.shape[0], fused, tiling, row_offset is not None)
+def _grouped(lhs, rhs, group_sizes, row_offset, lhs_rows, *, fused: bool, tiling: MoeTiling, interpret: bool):
+    num_rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
+    gather = lhs_rows is not None
+    p = GemmParams(num_rows, lhs.shape[1], rhs.shape[-1], rhs.shape[0], fused, tiling, row_offset is not None, gather)
     table = tile_table(group_sizes, num_rows, tiling.block_m, row_offset)
     return pl.pallas_call(
         functools.partial(_grouped_kernel, p=p),
@@ -263,15 +271,16 @@ def _grouped(lhs, rhs, group_sizes, row_offset, *, fused: bool, tiling: MoeTilin
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="moe_gate_up" if fused else "moe_matmul",
-    )(*table, lhs, rhs)
+    )(*table, *((lhs_rows,) if gather else ()), lhs, rhs)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Entry points
 
 
-def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool) -> None:
-    """lhs [R, Din]; rhs [E, Din, Dout] (fused: [E, D, 2, F]) in lhs's float dtype; group_sizes int32 [E]."""
+def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool, lhs_rows=None) -> None:
+    """lhs [R, Din] ([T, Din] with lhs_rows: int32 [R] indices into it); rhs [E, Din, Dout] (fused:
+    [E, D, 2, F]) in lhs's float dtype; group_sizes int32 [E]."""
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be [R, Din], got shape {lhs.shape}")
     want = "[E, D, 2, F]" if fused else "[E, Din, Dout]"
@@ -287,23 +296,30 @@ def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool) -> None:
         raise TypeError(f"lhs dtype must be one of float32, bfloat16, float16, got {lhs.dtype}")
     if rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs ({rhs.dtype}) must have lhs's dtype ({lhs.dtype})")
-    out_shape = (lhs.shape[0], rhs.shape[-1])
+    if lhs_rows is not None and (lhs_rows.ndim != 1 or jnp.dtype(lhs_rows.dtype) != jnp.int32):
+        raise TypeError(f"lhs_rows must be int32 [R], got {lhs_rows.dtype}{list(lhs_rows.shape)}")
+    out_shape = (lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0], rhs.shape[-1])
     for name, shape in (("lhs", lhs.shape), ("rhs", rhs.shape), ("the output", out_shape)):
         if math.prod(shape) >= _MAX_ELEMENTS:  # the Triton lowering addresses elements with int32 offsets
             raise ValueError(f"{name} must have fewer than 2**31 elements, got shape {shape}")
 
 
-def _launch(lhs, rhs, group_sizes, row_offset, *, fused: bool, interpret: bool, tiling: MoeTiling | None) -> jax.Array:
-    check_grouped_inputs(lhs, rhs, group_sizes, fused=fused)
+def _launch(
+    lhs, rhs, group_sizes, row_offset, lhs_rows, *, fused: bool, interpret: bool, tiling: MoeTiling | None
+) -> jax.Array:
+    check_grouped_inputs(lhs, rhs, group_sizes, fused=fused, lhs_rows=lhs_rows)
     if row_offset is not None:
         row_offset = jnp.asarray(row_offset)
         if row_offset.shape != () or row_offset.dtype != jnp.int32:
             raise TypeError(f"row_offset must be an int32 scalar, got {row_offset.dtype}{list(row_offset.shape)}")
-    if lhs.shape[0] == 0:
+    num_rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
+    if num_rows == 0:
         return jnp.zeros((0, rhs.shape[-1]), lhs.dtype)
-    tiling = default_moe_tiling(lhs.shape[0], rhs.shape[0]) if tiling is None else tiling
+    if lhs.shape[0] == 0:
+        raise ValueError(f"lhs_rows index {num_rows} rows of an empty lhs")
+    tiling = default_moe_tiling(num_rows, rhs.shape[0]) if tiling is None else tiling
     filter_triton_deprecation()
-    return _grouped(lhs, rhs, group_sizes, row_offset, fused=fused, tiling=tiling, interpret=interpret)
+    return _grouped(lhs, rhs, group_sizes, row_offset, lhs_rows, fused=fused, tiling=tiling, interpret=interpret)
 
 
 def grouped_matmul(
@@ -312,6 +328,7 @@ def grouped_matmul(
     group_sizes: Int[Array, " E"],
     *,
     row_offset: Int[Array, ""] | int | None = None,
+    lhs_rows: Int[Array, " R"] | None = None,
     interpret: bool = False,
     tiling: MoeTiling | None = None,
 ) -> Float[Array, "R Dout"]:
@@ -321,8 +338,10 @@ def grouped_matmul(
     row_offset: an int32 scalar (data, like group_sizes): the groups start at that row and the rows before it
     are zeros, not read (None, the default, and 0: ragged_dot's semantics). An expert-parallel device passes its
     experts' group sizes and the rows of the experts before them, and computes only its experts' rows of the
-    whole row set. tiling: `MoeTiling` (default `default_moe_tiling(R, E)`). interpret: run on a CPU (tests)."""
-    return _launch(lhs, rhs, group_sizes, row_offset, fused=False, interpret=interpret, tiling=tiling)
+    whole row set. lhs_rows: int32 [R]: row r reads lhs[lhs_rows[r]] (lhs then has any number of rows; the
+    result is `grouped_matmul(lhs[lhs_rows], ...)` without that copy). tiling: `MoeTiling` (default
+    `default_moe_tiling(R, E)`). interpret: run on a CPU (tests)."""
+    return _launch(lhs, rhs, group_sizes, row_offset, lhs_rows, fused=False, interpret=interpret, tiling=tiling)
 
 
 def grouped_gate_up(
@@ -331,11 +350,12 @@ def grouped_gate_up(
     group_sizes: Int[Array, " E"],
     *,
     row_offset: Int[Array, ""] | int | None = None,
+    lhs_rows: Int[Array, " R"] | None = None,
     interpret: bool = False,
     tiling: MoeTiling | None = None,
 ) -> Float[Array, "R F"]:
     """silu(lhs @ gate) * (lhs @ up) per group, gate = rhs[:, :, 0] and up = rhs[:, :, 1]: the two products
     and the activation in float32, the result in lhs's dtype; rows past sum(group_sizes) zero.
 
-    row_offset, tiling (block_n columns of gate and of up each) and interpret as in `grouped_matmul`."""
-    return _launch(lhs, rhs, group_sizes, row_offset, fused=True, interpret=interpret, tiling=tiling)
+    row_offset, lhs_rows, tiling (block_n columns of gate and of up each) and interpret as in `grouped_matmul`."""
+    return _launch(lhs, rhs, group_sizes, row_offset, lhs_rows, fused=True, interpret=interpret, tiling=tiling)

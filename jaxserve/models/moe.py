@@ -230,12 +230,23 @@ def experts_mlp(
     if _runs_pallas(meta):
         combined = _pallas_experts(*args, meta, mlp, split)
     else:
-        combined = _routed_experts(*args, gate_up=grouped_gate_up, down=jax.lax.ragged_dot)
+        combined = _routed_experts(*args, gate_up=_gathered_gate_up, down=jax.lax.ragged_dot)
     if weights.shared_gate_up is not None:
         shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down)
         scale = jax.nn.sigmoid(jnp.einsum("td,d->t", x, weights.shared_gate, preferred_element_type=jnp.float32))
         combined = combined + scale[:, None] * shared.astype(jnp.float32)
     return combined.astype(x.dtype)
+
+
+def _gathered_gate_up(
+    x: Float[Array, "T D"],
+    w_gate_up: Float[Array, "E D 2 F"],
+    group_sizes: Int[Array, " E"],
+    *,
+    lhs_rows: Int[Array, " R"],
+) -> Float[Array, "R F"]:
+    """`grouped_gate_up` of the rows x[lhs_rows] (gathered here; the Pallas kernel gathers in its loads)."""
+    return grouped_gate_up(jnp.take(x, lhs_rows, axis=0), w_gate_up, group_sizes)
 
 
 def _routed_experts(
@@ -249,12 +260,12 @@ def _routed_experts(
     gate_up: Callable[..., Array],
     down: Callable[..., Array],
 ) -> Float[Array, "T D"]:
-    """Each token's weighted sum of its experts' outputs, float32: rows gathered in expert order, the grouped
-    GEMMs `gate_up` (silu(gate) * up) and `down` (`grouped_gate_up` and ragged_dot, or the Pallas kernels), then
-    back to token order."""
+    """Each token's weighted sum of its experts' outputs, float32: the grouped GEMMs `gate_up` (silu(gate) * up of
+    the rows in expert order: routed row order[i]'s token, x[order[i] // k], is row i) and `down`
+    (`_gathered_gate_up` and ragged_dot, or the Pallas kernels, which gather the rows in their loads), then back to
+    token order."""
     num_tokens, top_k = route_weights.shape
-    rows = jnp.take(x, order // top_k, axis=0)  # [R, D], expert by expert
-    out = down(gate_up(rows, w_gate_up, group_sizes), w_down, group_sizes)
+    out = down(gate_up(x, w_gate_up, group_sizes, lhs_rows=order // top_k), w_down, group_sizes)
     # Back to token order: routed row r (token r // k, choice r % k) sits at the position where `order` holds r.
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     per_choice = jnp.take(out, position, axis=0).reshape(num_tokens, top_k, -1)

@@ -153,6 +153,40 @@ def test_row_offset_starts_the_groups_past_a_run_of_zero_rows(fused):
         kernel(lhs, rhs, sizes, row_offset=jnp.zeros(2, jnp.int32))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
+def test_lhs_rows_gather_the_rows_in_the_kernel(fused):
+    """lhs_rows (a routed row's token, top-k rows per token): the kernel on the tokens equals it on the gathered
+    rows, float32 bit for bit, under routings with padding and with a row offset; the untouched tokens of lhs
+    (NaN) are never read, and the index of a padding row is not read either."""
+    rows, din, dout, tiling = SHAPES[0]
+    tokens = 13
+    lhs, rhs = _integer_inputs(tokens + 3, din, dout, fused)
+    lhs = lhs.at[tokens:].set(jnp.nan)  # rows no index names
+    kernel = jax.jit(
+        functools.partial(pk.grouped_gate_up if fused else pk.grouped_matmul, interpret=True, tiling=tiling)
+    )
+    rng = np.random.default_rng(7)
+    for sizes, row_offset in (
+        (_sizes("ragged", rows), None),
+        (_random_sizes(rng, rows), None),
+        (jnp.asarray([3, 0, 9, 1, 2], jnp.int32), 11),
+    ):
+        token_of_row = rng.integers(0, tokens, rows).astype(np.int32)
+        offset = None if row_offset is None else jnp.int32(row_offset)
+        start = row_offset or 0
+        used = min(start + int(sizes.sum()), rows)
+        token_of_row[used:] = tokens + 1  # a padding row's index points at NaN: never read
+        gathered = jnp.take(lhs, jnp.asarray(token_of_row), axis=0, mode="clip")
+        out = kernel(lhs, rhs, sizes, row_offset=offset, lhs_rows=jnp.asarray(token_of_row))
+        assert out.shape == (rows, dout)
+        want = kernel(jnp.where(jnp.isnan(gathered), 0.0, gathered), rhs, sizes, row_offset=offset)
+        np.testing.assert_array_equal(
+            np.asarray(out), np.asarray(want), err_msg=f"{sizes.tolist()} offset {row_offset}"
+        )
+    with pytest.raises(TypeError, match="lhs_rows must be int32"):
+        kernel(lhs, rhs, sizes, lhs_rows=jnp.zeros((rows, 1), jnp.int32))
+
+
 def test_default_tiling_follows_rows_per_expert():
     assert pk.grouped_matmul(jnp.zeros((0, 16)), jnp.zeros((E, 16, 8)), jnp.zeros(E, jnp.int32)).shape == (0, 8)
     assert moe.default_moe_tiling(64, 128).block_m == 16  # decode: 8 tokens x top-8
