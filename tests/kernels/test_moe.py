@@ -299,14 +299,19 @@ def test_lowers_for_cuda_as_one_launch(fused, dtype, capsys, monkeypatch):
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))  # prints the IR
     experts, d, f = 128, 2048, 768
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for rows in (64, 8192):
-        lhs = jax.ShapeDtypeStruct((rows, d if fused else f), dtype)
+    kernel = pk.grouped_gate_up if fused else pk.grouped_matmul
+    # gate_up also as the model runs it: the rows gathered from the tokens in its loads (lhs_rows).
+    for rows, gather in ((64, False), (8192, False)) + (((8192, True),) if fused else ()):
+        lhs = jax.ShapeDtypeStruct((rows // 8 if gather else rows, d if fused else f), dtype)
         rhs = jax.ShapeDtypeStruct((experts, d, 2, f) if fused else (experts, f, d), dtype)
-        fn = jax.jit(pk.grouped_gate_up if fused else pk.grouped_matmul)
+        fn = jax.jit(lambda lhs, rhs, sizes, *rows: kernel(lhs, rhs, sizes, lhs_rows=rows[0] if rows else None))
         capsys.readouterr()
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)):
             exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
-                lhs, rhs, jax.ShapeDtypeStruct((experts,), jnp.int32)
+                lhs,
+                rhs,
+                jax.ShapeDtypeStruct((experts,), jnp.int32),
+                *((jax.ShapeDtypeStruct((rows,), jnp.int32),) if gather else ()),
             )
         assert exported.mlir_module().count("xla.gpu.triton") == 1
         ir = capsys.readouterr().out
