@@ -417,6 +417,9 @@ def serving_layers(
         # dispatches and compiles each op: a second at start on CPU); host arrays: numpy views.
         layer = take_layer(layers, i) if on_device else jax.tree.map(lambda w, i=i: w[i], layers)
         out.append(fuse(layer if source is None else jax.device_put(layer, source)))
+        # Waited for: dispatch is asynchronous, and without the wait every layer's transfer is in flight at once,
+        # each holding a host staging copy of its numpy source (a 61 GB model then needs twice that in RAM).
+        jax.block_until_ready(out[-1])
         if replacing is not None:
             delete_arrays(replacing[i])
     return tuple(out)

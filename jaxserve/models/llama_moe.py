@@ -331,7 +331,7 @@ def to_serving(
         if source is not None:
             part = jax.device_put(part, (source["layers"], source[name]))
         fuse = _layer_fuser(cfg.base, dtype, None if shardings is None else shardings.layers[i])
-        layers.append(fuse(*part))
+        layers.append(jax.block_until_ready(fuse(*part)))  # one layer in flight at a time: common.serving_layers
         if replacing is not None:
             delete_arrays(replacing.layers[i])
 
