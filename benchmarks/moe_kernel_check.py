@@ -292,7 +292,7 @@ def main() -> int:
             for case in cases(rng, tokens, shape, dtype, tiling, args.interpret):
                 found = check_bf16(case, rng) if dtype == jnp.bfloat16 else check_f32(case)
                 name = f"{case.name} {tokens} tokens {jnp.dtype(dtype).name}"
-                used = tiling or default_moe_tiling(case.lhs.shape[0], shape.experts)
+                used = tiling or default_moe_tiling(case.lhs.shape[0], shape.experts, case.name == "gate_up")
                 print(f"{'FAIL' if found else 'ok  '} {name} ({used}){': ' if found else ''}{'; '.join(found)}")
                 failures += [f"{name}: {f}" for f in found]
                 checked += 1
