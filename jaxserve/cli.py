@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> str:
         compile_config=CompileConfig(
             decode_batch_sizes=(1,), token_buckets=(max(len(prompt_ids), 1),), penalty_variants=False
         ),
+        quantization=args.quantization,
         seed=args.seed,
         show_progress=args.verbose,
     )
@@ -186,6 +187,7 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "quantization": args.quantization,
     }
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 
 def _add_generation_args(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.config import DTYPES
+    from jaxserve.config import DTYPES, QUANTIZATIONS
     from jaxserve.models.hub import DEFAULT_MODEL
 
     parser.add_argument(
@@ -24,6 +24,9 @@ def _add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
     parser.add_argument(
         "--dtype", choices=DTYPES, default="auto", help="weights dtype; auto = bfloat16 on GPU, float32 on CPU"
+    )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=None, help="fp8: FP8 linear weights (default: none)"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
@@ -172,7 +175,7 @@ def _add_engine_options(
     "sequences of 256 tokens the KV pool holds; latency: --batch-size)",
     max_seq_len_help: str = "default: the longest request's prompt + output",
 ) -> None:
-    from jaxserve.config import ATTENTION_BACKENDS, DTYPES
+    from jaxserve.config import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS
 
     positive = _int_at_least(1)
     group.add_argument(
@@ -207,6 +210,13 @@ def _add_engine_options(
         "(--enable-expert-parallel) or each expert's hidden (--no-enable-expert-parallel); default: whole experts "
         "where they divide over the devices (measured: docs/performance.md, 'MoE: expert layout'); a dense model "
         "ignores it",
+    )
+    group.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the linear layers' weights in float8_e4m3fn with per-output-channel scales, activations "
+        "quantized per token (default: none, weights in --dtype)",
     )
     group.add_argument("--max-batch-size", type=positive, metavar="N", help=max_batch_size_help)
     group.add_argument("--max-num-tokens", type=positive, metavar="N", help="tokens per step (default: 8192)")

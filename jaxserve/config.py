@@ -27,6 +27,9 @@ ROPE_TYPES_WITHOUT_LENGTH_SCALING = frozenset({"su", "longrope", "llama3", "yarn
 AttentionBackend = Literal["auto", "pallas", "xla"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "pallas", "xla")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# Weight quantizations (`jaxserve/models/quant.py`): "fp8" is float8_e4m3fn with a scale per output channel.
+QUANTIZATIONS = ("fp8",)
+
 # What sampled tokens' logprobs are taken over (vLLM's logprobs_mode names): the model's logits, or the
 # logits the token is drawn from (after penalties, temperature and the top-k / top-p / min-p filters).
 LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
@@ -224,6 +227,10 @@ class EngineConfig:
         (`runner.resolve_expert_parallel`: expert parallel where E divides by tp, as measured in docs/performance.md,
         "MoE: expert layout").
         A dense model has no experts: True is ignored there with a warning, as vLLM ignores it.
+    quantization: None (weights in `dtype`) or "fp8": every linear layer's weight in float8_e4m3fn with a scale
+        per output channel, quantized as it is placed, and activations quantized per token
+        (`jaxserve/models/quant.py`); embeddings, lm_head, norms and a mixture of experts' expert stacks stay
+        in `dtype`.
     """
 
     max_batch_size: int
@@ -237,6 +244,7 @@ class EngineConfig:
     auto_max_batch_size: bool = False
     logprobs_mode: str = "raw_logprobs"
     enable_expert_parallel: bool | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _require_int("max_batch_size", self.max_batch_size, 1)
@@ -255,6 +263,8 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.enable_expert_parallel is not None and not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be None or a bool, got {self.enable_expert_parallel!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -341,6 +351,7 @@ def make_engine_config(
     auto_max_batch_size: bool = False,
     logprobs_mode: str = "raw_logprobs",
     enable_expert_parallel: bool | None = None,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """An EngineConfig whose max_seq_len and max_num_tokens follow TensorRT-LLM's inference rules."""
     seq_len = infer_max_seq_len(hf_config, max_seq_len)
@@ -356,4 +367,5 @@ def make_engine_config(
         auto_max_batch_size=auto_max_batch_size,
         logprobs_mode=logprobs_mode,
         enable_expert_parallel=enable_expert_parallel,
+        quantization=quantization,
     )

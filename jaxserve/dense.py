@@ -85,12 +85,14 @@ def generate_dense(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> list[list[int]]:
     """The new tokens of each prompt: max_new_tokens of them, or fewer ending with an EOS token.
 
-    `weights` in the checkpoint layout (what loaders and `init_weights` return)."""
+    `weights` in the checkpoint layout (what loaders and `init_weights` return); `quantization`: their linear
+    layers quantized as the engine's `EngineConfig.quantization` quantizes them (the same products)."""
     _validate(prompts, max_new_tokens, temperature, top_p)
-    weights = family.to_serving(weights, cfg)
+    weights = family.to_serving(weights, cfg, quantization=quantization)
     sampling = (np.float32(temperature), np.float32(top_p))
     step = partial(_step, family=family, cfg=cfg)
     lengths = np.array([len(p) for p in prompts], dtype=np.int32)

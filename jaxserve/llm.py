@@ -96,6 +96,9 @@ class LLM:
     enable_expert_parallel: a mixture of experts' layout under tensor parallelism (vLLM's option of that name):
         True puts E / tp whole experts on each device, False splits each expert's hidden over them, None (the
         default) chooses as `EngineConfig.enable_expert_parallel` says. Ignored, with a warning, for a dense model.
+    quantization: None (default) or "fp8" (vLLM's option of that name): the linear layers' weights in
+        float8_e4m3fn with per-output-channel scales, quantized on the device layer by layer as they are placed
+        (and again on every `update_weights`), activations quantized per token; `EngineConfig.quantization`.
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
 
     `llm.model` is the model's description (family, config, Hugging Face config, sources) without its
@@ -122,6 +125,7 @@ class LLM:
         mesh_axes: Mapping[str, str | None] | None = None,
         logprobs_mode: str = "raw_logprobs",
         enable_expert_parallel: bool | None = None,
+        quantization: str | None = None,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -146,6 +150,7 @@ class LLM:
             dtype=dtype,
             logprobs_mode=logprobs_mode,
             enable_expert_parallel=enable_expert_parallel,
+            quantization=quantization,
         )
         self.replicas = ReplicaSet(
             _start_engines(loaded, self.tokenizer, self.config, replica_meshes, seed=seed, show_progress=show_progress)

@@ -23,8 +23,12 @@ class ServingWeights:
     def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh) -> None:
         self._family, self._cfg, self._dtype = spec.family, spec.cfg, spec.dtype
         # The checkpoint layout in, the family's serving layout on the mesh, split by the spec's rules table.
-        self.shardings = named_shardings(spec.family.serving_specs(spec.cfg), mesh, spec.rules)
-        self.arrays: Any = spec.family.to_serving(weights, spec.cfg, self.shardings, spec.dtype)
+        self._quantization = spec.quantization
+        specs = spec.family.serving_specs(spec.cfg, quantization=spec.quantization)
+        self.shardings = named_shardings(specs, mesh, spec.rules)
+        self.arrays: Any = spec.family.to_serving(
+            weights, spec.cfg, self.shardings, spec.dtype, quantization=spec.quantization
+        )
         self.abstract = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding), self.arrays)
         self._host: Any = None  # the weights while offloaded (`offload`)
 
@@ -38,10 +42,12 @@ class ServingWeights:
 
     def update(self, weights: Any) -> None:
         """New values for every weight (checkpoint layout, validated by the caller: same shapes), placed
-        where the old ones were, with the same dtype. The old buffers (if any: none after `discard`) are
-        deleted layer by layer as the new ones are built."""
+        where the old ones were, with the same dtype and quantization (an FP8 engine quantizes them again).
+        The old buffers (if any: none after `discard`) are deleted layer by layer as the new ones are built."""
         old, self.arrays, self._host = self.arrays, None, None
-        self.arrays = self._family.to_serving(weights, self._cfg, self.shardings, self._dtype, replacing=old)
+        self.arrays = self._family.to_serving(
+            weights, self._cfg, self.shardings, self._dtype, replacing=old, quantization=self._quantization
+        )
 
     def offload(self) -> None:
         """Moves the weights to host memory (numpy) and frees their device buffers; `reload` puts them back

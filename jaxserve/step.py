@@ -106,6 +106,7 @@ class RunnerSpec:
     logprobs_mode: str = "raw_logprobs"  # EngineConfig.logprobs_mode
     kv_layout: KVLayout | None = None  # the KV pool's layer groups; None: one group of every layer
     expert_parallel: bool = False  # EngineConfig.enable_expert_parallel as resolved: whole experts a device
+    quantization: str | None = None  # EngineConfig.quantization: the linear weights' storage ("fp8")
 
     @property
     def layout(self) -> KVLayout:

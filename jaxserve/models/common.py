@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxserve.models.quant import linear
+
 
 @dataclass(frozen=True, slots=True)
 class ParamSpec:
@@ -384,8 +386,8 @@ def gated_mlp(
     x: Float[Array, "T D"], w_gate_up: Float[Array, "D 2 F"], w_down: Float[Array, "F D"]
 ) -> Float[Array, "T D"]:
     """SwiGLU, down(silu(gate(x)) * up(x)), with gate and up in one matrix: one GEMM for both."""
-    gate_up = jnp.einsum("td,dcf->tcf", x, w_gate_up)
-    return jnp.einsum("tf,fd->td", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
+    gate_up = linear("td,dcf->tcf", x, w_gate_up)
+    return linear("tf,fd->td", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down)
 
 
 def place(value: Any, sharding: Any, dtype: Any = None) -> Any:

@@ -22,7 +22,7 @@ import functools
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from jaxserve.models.common import (
     split_qkv,
 )
 from jaxserve.models.layers import LayerAttention
+from jaxserve.models.quant import linear, quantize_layer, quantize_layer_specs
 from jaxserve.sharding.rules import layer_shardings
 
 # The Hugging Face architectures this family runs -> their model_type. Gemma3ForConditionalGeneration is the
@@ -319,6 +320,8 @@ class GemmaServingLayer:
     w_gate_up: Float[Array, "D 2 F"]
     w_down: Float[Array, "F D"]
 
+    LINEARS: ClassVar[dict[str, int]] = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # quant.quantize_linears
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
@@ -358,8 +361,9 @@ def param_specs(cfg: GemmaConfig) -> GemmaWeights:
     )
 
 
-def serving_specs(cfg: GemmaConfig) -> GemmaServingWeights:
-    """The serving layout with a ParamSpec at every leaf (the sharding rules split kv_heads, mlp, vocab)."""
+def serving_specs(cfg: GemmaConfig, quantization: str | None = None) -> GemmaServingWeights:
+    """The serving layout with a ParamSpec at every leaf (the sharding rules split kv_heads, mlp, vocab); the
+    linear weights as `quantization` stores them."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     norm = ParamSpec((d,), ("embed",))
@@ -378,7 +382,7 @@ def serving_specs(cfg: GemmaConfig) -> GemmaServingWeights:
     )
     return GemmaServingWeights(
         embed=ParamSpec((v, d), ("vocab", "embed")),
-        layers=(layer,) * cfg.num_layers,
+        layers=(quantize_layer_specs(layer, quantization),) * cfg.num_layers,
         final_norm=norm,
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")),
     )
@@ -390,12 +394,14 @@ def to_serving(
     shardings: GemmaServingWeights | None = None,
     dtype: Any = None,
     replacing: GemmaServingWeights | None = None,
+    quantization: str | None = None,
 ) -> GemmaServingWeights:
     """The serving layout of checkpoint-layout weights, placed with `shardings` and cast to `dtype`, one layer
-    at a time (`common.serving_layers`); `replacing`: serving weights updated in place, as in llama.to_serving."""
+    at a time (`common.serving_layers`), the linear weights quantized to `quantization`; `replacing`: serving
+    weights updated in place, as in llama.to_serving."""
     dtype = None if dtype is None else jnp.dtype(dtype)
-    fuse = _layer_fuser(cfg, dtype, None if shardings is None else shardings.layers[0])
-    source = None if shardings is None else layer_shardings(param_specs(cfg).layers, shardings.layers[0].wqkv.mesh)
+    fuse = _layer_fuser(cfg, dtype, None if shardings is None else shardings.layers[0], quantization)
+    source = None if shardings is None else layer_shardings(param_specs(cfg).layers, shardings.layers[0].attn_norm.mesh)
     layers = serving_layers(
         weights.layers, cfg.num_layers, fuse, source, None if replacing is None else replacing.layers
     )
@@ -411,19 +417,22 @@ def to_serving(
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_fuser(cfg: GemmaConfig, dtype: Any, shardings: GemmaServingLayer | None) -> Any:
-    return jax.jit(partial(_serving_layer, cfg=cfg, dtype=dtype), out_shardings=shardings)
+def _layer_fuser(cfg: GemmaConfig, dtype: Any, shardings: GemmaServingLayer | None, quantization: str | None) -> Any:
+    return jax.jit(partial(_serving_layer, cfg=cfg, dtype=dtype, quantization=quantization), out_shardings=shardings)
 
 
-def _serving_layer(layer: GemmaLayerWeights, cfg: GemmaConfig, dtype: Any) -> GemmaServingLayer:
-    """One layer's checkpoint-layout weights (no L axis) fused into a GemmaServingLayer."""
+def _serving_layer(
+    layer: GemmaLayerWeights, cfg: GemmaConfig, dtype: Any, quantization: str | None
+) -> GemmaServingLayer:
+    """One layer's checkpoint-layout weights (no L axis) fused into a GemmaServingLayer, its linear weights then
+    quantized when `quantization` says (llama._serving_layer)."""
     d, k, dh = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // k
 
     keep = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
     q = layer.wq.reshape(d, k, g, dh)
     wqkv = jnp.concatenate([q, layer.wk[..., None, :], layer.wv[..., None, :]], axis=-2)
-    return GemmaServingLayer(
+    fused = GemmaServingLayer(
         attn_norm=keep(layer.attn_norm),
         wqkv=keep(wqkv),
         q_norm=None if layer.q_norm is None else keep(layer.q_norm),
@@ -435,6 +444,7 @@ def _serving_layer(layer: GemmaLayerWeights, cfg: GemmaConfig, dtype: Any) -> Ge
         w_gate_up=keep(jnp.stack([layer.w_gate, layer.w_up], axis=1)),
         w_down=keep(layer.w_down),
     )
+    return quantize_layer(fused, quantization)
 
 
 # Hugging Face name prefixes of the language model: Gemma*ForCausalLM's, and Gemma3ForConditionalGeneration's
@@ -515,8 +525,8 @@ def gelu_mlp(
     x: Float[Array, "T D"], w_gate_up: Float[Array, "D 2 F"], w_down: Float[Array, "F D"]
 ) -> Float[Array, "T D"]:
     """down(gelu_tanh(gate(x)) * up(x)), gate and up in one GEMM."""
-    gate_up = jnp.einsum("td,dcf->tcf", x, w_gate_up)
-    return jnp.einsum("tf,fd->td", jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1], w_down)
+    gate_up = linear("td,dcf->tcf", x, w_gate_up)
+    return linear("tf,fd->td", jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1], w_down)
 
 
 def attention_block(
@@ -532,7 +542,7 @@ def attention_block(
     spec: LayerAttention,
 ) -> tuple[Float[Array, "T D"], KVCache]:
     """Self-attention of one layer on the normed input x, with the layer's declared options."""
-    qkv = jnp.einsum("td,dkge->tkge", x, layer.wqkv)
+    qkv = linear("td,dkge->tkge", x, layer.wqkv)
     options = dict(sm_scale=spec.sm_scale, sliding_window=spec.sliding_window, soft_cap=spec.soft_cap)
     if layer.q_norm is None:
         out, kv_cache = rope_attention(qkv, cos, sin, positions, kv_cache, layer_index, attn_meta, **options)
@@ -542,7 +552,7 @@ def attention_block(
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = attention(q, k, v, positions, kv_cache, layer_index, attn_meta, **options)
-    return jnp.einsum("the,hed->td", out, layer.wo), kv_cache
+    return linear("the,hed->td", out, layer.wo), kv_cache
 
 
 def forward(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ from jaxserve.models.common import (
     split_qkv,
 )
 from jaxserve.models.layers import LayerAttention
+from jaxserve.models.quant import linear, quantize_layer, quantize_layer_specs
 from jaxserve.sharding.rules import layer_shardings
 
 # Hugging Face defaults for keys a config.json may omit, per model_type.
@@ -253,6 +254,8 @@ class ServingLayer:
     w_gate_up: Float[Array, "D 2 F"]
     w_down: Float[Array, "F D"]
 
+    LINEARS: ClassVar[dict[str, int]] = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # quant.quantize_linears
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
@@ -294,8 +297,9 @@ def param_specs(cfg: LlamaConfig) -> LlamaWeights:
     )
 
 
-def serving_specs(cfg: LlamaConfig) -> ServingWeights:
-    """The serving layout with a ParamSpec at every leaf (the sharding rules split kv_heads, mlp, vocab)."""
+def serving_specs(cfg: LlamaConfig, quantization: str | None = None) -> ServingWeights:
+    """The serving layout with a ParamSpec at every leaf (the sharding rules split kv_heads, mlp, vocab); the
+    linear weights as `quantization` stores them (`quant.Fp8Weight` of values and scale specs)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     groups = h // k + 2
@@ -313,7 +317,7 @@ def serving_specs(cfg: LlamaConfig) -> ServingWeights:
     )
     return ServingWeights(
         embed=ParamSpec((v, d), ("vocab", "embed")),
-        layers=(layer,) * cfg.num_layers,
+        layers=(quantize_layer_specs(layer, quantization),) * cfg.num_layers,
         final_norm=ParamSpec((d,), ("embed",)),
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")),
     )
@@ -325,9 +329,11 @@ def to_serving(
     shardings: ServingWeights | None = None,
     dtype: Any = None,
     replacing: ServingWeights | None = None,
+    quantization: str | None = None,
 ) -> ServingWeights:
     """The serving layout of checkpoint-layout weights (numpy or jax arrays), placed with `shardings`
-    (a tree of NamedSharding, or None for the default device) and cast to `dtype` (None: as they are).
+    (a tree of NamedSharding, or None for the default device) and cast to `dtype` (None: as they are), the
+    linear weights quantized to `quantization` from their source values (None: not quantized).
 
     One layer at a time: host weights cross to the device layer by layer, and the device holds the
     serving copy plus one layer of the source at most (besides the source itself when it is on the
@@ -336,10 +342,9 @@ def to_serving(
     serving mesh, so the fuser sees one input layout whatever the source's. `replacing`: serving weights
     whose buffers are deleted as their replacements are built (an update in place), so old and new
     copies coexist for one layer at a time."""
-    fuse = _layer_fuser(
-        cfg, None if dtype is None else jnp.dtype(dtype), None if shardings is None else shardings.layers[0]
-    )
-    source = None if shardings is None else layer_shardings(param_specs(cfg).layers, shardings.layers[0].wqkv.mesh)
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    fuse = _layer_fuser(cfg, dtype, None if shardings is None else shardings.layers[0], quantization)
+    source = None if shardings is None else layer_shardings(param_specs(cfg).layers, shardings.layers[0].attn_norm.mesh)
     layers = serving_layers(
         weights.layers, cfg.num_layers, fuse, source, None if replacing is None else replacing.layers
     )
@@ -355,10 +360,10 @@ def to_serving(
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_fuser(cfg: LlamaConfig, dtype: Any, shardings: ServingLayer | None) -> Any:
-    """`_serving_layer` jitted once per (config, dtype, shardings): every layer and every later model of the
-    same shape reuse one executable."""
-    return jax.jit(partial(_serving_layer, cfg=cfg, dtype=dtype), out_shardings=shardings)
+def _layer_fuser(cfg: LlamaConfig, dtype: Any, shardings: ServingLayer | None, quantization: str | None) -> Any:
+    """`_serving_layer` jitted once per (config, dtype, shardings, quantization): every layer and every later model
+    of the same shape reuse one executable."""
+    return jax.jit(partial(_serving_layer, cfg=cfg, dtype=dtype, quantization=quantization), out_shardings=shardings)
 
 
 def fuse_qkv(
@@ -377,11 +382,13 @@ def fuse_qkv(
     return grouped(layer.wq, layer.wk, layer.wv, (d,)), bias
 
 
-def _serving_layer(layer: LayerWeights, cfg: LlamaConfig, dtype: Any) -> ServingLayer:
-    """One layer's checkpoint-layout weights (no L axis) fused into a ServingLayer."""
+def _serving_layer(layer: LayerWeights, cfg: LlamaConfig, dtype: Any, quantization: str | None) -> ServingLayer:
+    """One layer's checkpoint-layout weights (no L axis) fused into a ServingLayer in `dtype`, its linear weights
+    then quantized when `quantization` says (an 8-bit format from bf16 values: the bf16 rounding is far below
+    e4m3's)."""
     cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
     wqkv, bqkv = fuse_qkv(layer, cfg, cast)
-    return ServingLayer(
+    fused = ServingLayer(
         attn_norm=cast(layer.attn_norm),
         wqkv=wqkv,
         bqkv=bqkv,
@@ -392,6 +399,7 @@ def _serving_layer(layer: LayerWeights, cfg: LlamaConfig, dtype: Any) -> Serving
         w_gate_up=cast(jnp.stack([layer.w_gate, layer.w_up], axis=1)),
         w_down=cast(layer.w_down),
     )
+    return quantize_layer(fused, quantization)
 
 
 def checkpoint_rules(cfg: LlamaConfig) -> list[CheckpointRule]:
@@ -458,7 +466,7 @@ def attention_block(
 ) -> tuple[Float[Array, "T D"], KVCache]:
     """Self-attention of one layer on the normed input x. `layer`: a ServingLayer, or another family's serving
     layer with its attention fields (wqkv, bqkv, q_norm, k_norm, wo: the MoE families' `MoeServingLayer`)."""
-    qkv = jnp.einsum("td,dkge->tkge", x, layer.wqkv)  # one GEMM for q, k and v
+    qkv = linear("td,dkge->tkge", x, layer.wqkv)  # one GEMM for q, k and v
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
     spec = cfg.attention_layers[0]
@@ -472,7 +480,7 @@ def attention_block(
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = attention(q, k, v, positions, kv_cache, layer_index, attn_meta, **options)
-    return jnp.einsum("the,hed->td", out, layer.wo), kv_cache
+    return linear("the,hed->td", out, layer.wo), kv_cache
 
 
 def forward(

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from jaxserve.models.common import (
 )
 from jaxserve.models.layers import LayerAttention, LayerMlp
 from jaxserve.models.llama import LlamaConfig
+from jaxserve.models.quant import quantize_layer, quantize_layer_specs
 from jaxserve.sharding.rules import Rules, layer_shardings
 
 # The Hugging Face architectures this family runs -> their model_type.
@@ -268,6 +269,8 @@ class MoeServingLayer:
     mlp_norm: Float[Array, " D"]
     mlp: moe.DenseMlp | moe.ExpertMlp
 
+    LINEARS: ClassVar[dict[str, int]] = {"wqkv": 1, "wo": 2}  # and the MLP's own (quant.quantize_linears)
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
@@ -298,11 +301,15 @@ def param_specs(cfg: MoeConfig) -> MoeWeights:
     )
 
 
-def serving_specs(cfg: MoeConfig) -> MoeServingWeights:
-    """The serving layout with a ParamSpec at every leaf (the rules table splits kv_heads, mlp, experts, vocab)."""
+def serving_specs(cfg: MoeConfig, quantization: str | None = None) -> MoeServingWeights:
+    """The serving layout with a ParamSpec at every leaf (the rules table splits kv_heads, mlp, experts, vocab); the
+    linear weights as `quantization` stores them (the experts' stacks stay in the serving dtype)."""
     dense = llama.serving_specs(cfg.base)
     attention = {name: getattr(dense.layers[0], name) for name in _SERVING_ATTENTION_FIELDS}
-    layers = tuple(MoeServingLayer(**attention, mlp=moe.mlp_specs(cfg.hidden_size, mlp)) for mlp in cfg.mlp_layers)
+    layers = tuple(
+        quantize_layer_specs(MoeServingLayer(**attention, mlp=moe.mlp_specs(cfg.hidden_size, mlp)), quantization)
+        for mlp in cfg.mlp_layers
+    )
     return MoeServingWeights(dense.embed, layers, dense.final_norm, dense.lm_head)
 
 
@@ -312,13 +319,15 @@ def to_serving(
     shardings: MoeServingWeights | None = None,
     dtype: Any = None,
     replacing: MoeServingWeights | None = None,
+    quantization: str | None = None,
 ) -> MoeServingWeights:
     """The serving layout of checkpoint-layout weights, placed with `shardings` and cast to `dtype`, one layer at a
-    time (llama.to_serving says why and how; `replacing`: serving weights updated in place)."""
+    time, the linear weights quantized to `quantization` (llama.to_serving says why and how; `replacing`: serving
+    weights updated in place)."""
     dtype = None if dtype is None else jnp.dtype(dtype)
     specs = param_specs(cfg)
     on_device = all(isinstance(w, jax.Array) for w in jax.tree.leaves(weights))
-    mesh = None if shardings is None else shardings.layers[0].wqkv.mesh
+    mesh = None if shardings is None else shardings.layers[0].attn_norm.mesh
     # Each layer's source: its attention, and its MLP's slot in its kind's stack (`source`: their shardings in the
     # checkpoint layout on the serving mesh, as llama.to_serving moves each layer to first).
     stacks = {"moe": ("experts", cfg.moe_layers), "dense": ("dense", cfg.dense_layers)}
@@ -330,7 +339,7 @@ def to_serving(
         part = (_layer(weights.layers, i, on_device), _layer(getattr(weights, name), indices.index(i), on_device))
         if source is not None:
             part = jax.device_put(part, (source["layers"], source[name]))
-        fuse = _layer_fuser(cfg.base, dtype, None if shardings is None else shardings.layers[i])
+        fuse = _layer_fuser(cfg.base, dtype, None if shardings is None else shardings.layers[i], quantization)
         layers.append(jax.block_until_ready(fuse(*part)))  # one layer in flight at a time: common.serving_layers
         if replacing is not None:
             delete_arrays(replacing.layers[i])
@@ -351,18 +360,25 @@ def _layer(stacked: Any, i: int, on_device: bool) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_fuser(base: LlamaConfig, dtype: Any, shardings: MoeServingLayer | None) -> Any:
-    """`_serving_layer` jitted once per (config, dtype, shardings): the layers of one kind share an executable."""
-    return jax.jit(partial(_serving_layer, base=base, dtype=dtype), out_shardings=shardings)
+def _layer_fuser(base: LlamaConfig, dtype: Any, shardings: MoeServingLayer | None, quantization: str | None) -> Any:
+    """`_serving_layer` jitted once per (config, dtype, shardings, quantization): the layers of one kind share an
+    executable."""
+    fuse = partial(_serving_layer, base=base, dtype=dtype, quantization=quantization)
+    return jax.jit(fuse, out_shardings=shardings)
 
 
 def _serving_layer(
-    attention: AttentionWeights, mlp: moe.DenseWeights | moe.ExpertWeights, base: LlamaConfig, dtype: Any
+    attention: AttentionWeights,
+    mlp: moe.DenseWeights | moe.ExpertWeights,
+    base: LlamaConfig,
+    dtype: Any,
+    quantization: str | None,
 ) -> MoeServingLayer:
-    """One layer's checkpoint-layout attention and MLP weights (no leading axis) fused into a MoeServingLayer."""
+    """One layer's checkpoint-layout attention and MLP weights (no leading axis) fused into a MoeServingLayer, its
+    linear weights then quantized when `quantization` says."""
     cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
     wqkv, bqkv = llama.fuse_qkv(attention, base, cast)
-    return MoeServingLayer(
+    fused = MoeServingLayer(
         attn_norm=cast(attention.attn_norm),
         wqkv=wqkv,
         bqkv=bqkv,
@@ -372,6 +388,7 @@ def _serving_layer(
         mlp_norm=cast(attention.mlp_norm),
         mlp=moe.fuse_mlp(mlp, cast),
     )
+    return quantize_layer(fused, quantization)
 
 
 def checkpoint_rules(cfg: MoeConfig) -> list[CheckpointRule]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,9 @@ class ExpertMlp:
     shared_down: Float[Array, "Fs D"] | None
     shared_gate: Float[Array, " D"] | None
 
+    # Quantized: the shared expert's GEMMs; the experts' grouped GEMMs (kernels/moe.py) take bf16 only.
+    LINEARS: ClassVar[dict[str, int]] = {"shared_gate_up": 1, "shared_down": 1}
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,8 @@ class DenseMlp:
 
     w_gate_up: Float[Array, "D 2 F"]
     w_down: Float[Array, "F D"]
+
+    LINEARS: ClassVar[dict[str, int]] = {"w_gate_up": 1, "w_down": 1}  # quant.quantize_linears
 
 
 def layers_of_kind(mlp_layers: tuple[LayerMlp, ...], kind: str) -> tuple[int, ...]:

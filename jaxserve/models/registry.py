@@ -40,14 +40,22 @@ class ModelFamily(Protocol):
     def param_specs(self, cfg: Any) -> Any:
         """The weights tree with a ParamSpec (shape, logical axes) at every leaf."""
 
-    def serving_specs(self, cfg: Any) -> Any:
-        """The serving layout (what `forward` reads) with a ParamSpec at every leaf."""
+    def serving_specs(self, cfg: Any, quantization: str | None = None) -> Any:
+        """The serving layout (what `forward` reads) with a ParamSpec at every leaf; the linear weights' specs
+        as `quantization` stores them (`models/quant.py`)."""
 
     def to_serving(
-        self, weights: Any, cfg: Any, shardings: Any = None, dtype: Any = None, replacing: Any = None
+        self,
+        weights: Any,
+        cfg: Any,
+        shardings: Any = None,
+        dtype: Any = None,
+        replacing: Any = None,
+        quantization: str | None = None,
     ) -> Any:
-        """Checkpoint-layout weights in the serving layout, placed with `shardings`, cast to `dtype`;
-        `replacing`'s buffers (serving weights being updated) are deleted as the new ones are built."""
+        """Checkpoint-layout weights in the serving layout, placed with `shardings`, cast to `dtype`, the linear
+        weights quantized to `quantization`; `replacing`'s buffers (serving weights being updated) are deleted
+        as the new ones are built."""
 
     def checkpoint_rules(self, cfg: Any) -> list[CheckpointRule]:
         """Hugging Face tensor names -> weight fields."""

@@ -1,0 +1,124 @@
+"""FP8 linear weights: float8_e4m3fn values with a float32 scale per output channel, and the one matmul helper
+(`linear`) every family's projections go through, for plain and quantized weights alike.
+
+A weight of the serving layout is [*in, *out] (its einsum contracts the leading `in` axes with the input's
+trailing ones: wqkv [D, K, G+2, Dh] contracts D, wo [H, Dh, D] contracts H and Dh). Quantized, it becomes an
+`Fp8Weight`: values = round(w / scale) in e4m3 and scale[*out] = max |w| over the `in` axes / 448 (e4m3's
+largest finite value), so each output channel uses the format's whole range. The product quantizes the input
+the same way per token (dynamic: each row's max |x| over the contracted axes), multiplies in FP8 with float32
+accumulation (cuBLASLt's FP8 GEMM on Hopper; an emulated product elsewhere), and scales the float32 result by
+both scales:  y[t, o] = (sum_i xq[t, i] wq[i, o]) * x_scale[t] * w_scale[o].
+
+Legend beyond docs' (STYLE.md): *in / *out the contracted and kept axes of a weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+_MIN_SCALE = 1e-12  # an all-zero channel or row keeps a finite scale (its values are zeros either way)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """A linear weight in FP8: values [*in, *out] in float8_e4m3fn, scale [*out] in float32 (per output
+    channel); the weight is values * scale."""
+
+    values: Array
+    scale: Float[Array, "..."]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def num_in_axes(self) -> int:
+        return self.values.ndim - self.scale.ndim
+
+    def dequantize(self, dtype=jnp.float32) -> Array:
+        """values * scale in `dtype` (the float32 reference the tests compare against)."""
+        return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+def quantize(w: Array, num_in_axes: int) -> Fp8Weight:
+    """The FP8 form of a [*in, *out] weight: a scale per output channel (max |w| over the leading num_in_axes
+    axes / 448), values rounded to nearest in e4m3. Traceable (the serving-layout fuser runs it per layer)."""
+    if not 1 <= num_in_axes < w.ndim:
+        raise ValueError(f"num_in_axes must be in [1, {w.ndim - 1}] for a weight of shape {w.shape}, got {num_in_axes}")
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=tuple(range(num_in_axes)))
+    scale = jnp.maximum(amax / FP8_MAX, _MIN_SCALE)
+    return Fp8Weight(values=(w / scale).astype(FP8_DTYPE), scale=scale)
+
+
+def quantize_rows(x: Array, num_in_axes: int) -> tuple[Array, Float[Array, "..."]]:
+    """Dynamic per-token quantization of an input [*rows, *in]: e4m3 values and a float32 scale per row (max |x|
+    over the trailing num_in_axes axes / 448), the scale shaped [*rows]."""
+    axes = tuple(range(x.ndim - num_in_axes, x.ndim))
+    x = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=axes) / FP8_MAX, _MIN_SCALE)
+    values = (x / jnp.expand_dims(scale, axes)).astype(FP8_DTYPE)
+    return values, scale
+
+
+def linear(spec: str, x: Array, w: Array | Fp8Weight) -> Array:
+    """jnp.einsum(spec, x, w) in x's dtype, for a plain weight or an `Fp8Weight` (then the FP8 product above).
+    `spec` contracts w's leading axes with x's trailing ones and keeps x's leading axes first, then w's
+    trailing ones, e.g. "td,dkge->tkge" or "the,hed->td"."""
+    if not isinstance(w, Fp8Weight):
+        return jnp.einsum(spec, x, w)
+    num_in = w.num_in_axes
+    xq, x_scale = quantize_rows(x, num_in)
+    out = jnp.einsum(spec, xq, w.values, preferred_element_type=jnp.float32)
+    rows = x.ndim - num_in
+    x_scale = x_scale.reshape(x_scale.shape + (1,) * (out.ndim - rows))
+    return (out * x_scale * w.scale).astype(x.dtype)
+
+
+def quantized_spec(spec: Any, num_in_axes: int) -> Fp8Weight:
+    """The ParamSpec pair of a quantized weight (`models.common.ParamSpec`): the values as the weight, the scale
+    as its output axes."""
+    scale = dataclasses.replace(spec, shape=spec.shape[num_in_axes:], logical_axes=spec.logical_axes[num_in_axes:])
+    return Fp8Weight(values=spec, scale=scale)
+
+
+def weight_bytes(tree) -> int:
+    """Bytes of a tree of arrays (plain and quantized weights alike)."""
+    return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def quantize_linears(layer: Any, convert: Callable[[Any, int], Any]) -> Any:
+    """`layer` (a serving-layout dataclass) with each linear weight its class declares in LINEARS (field name ->
+    contracted leading axes) replaced by convert(weight, num_in_axes), nested dataclasses likewise (an MoE layer's
+    MLP). convert: `quantize` for arrays, `quantized_spec` for ParamSpecs."""
+    changes = {}
+    for field in dataclasses.fields(layer):
+        value = getattr(layer, field.name)
+        if value is None:
+            continue
+        if field.name in getattr(type(layer), "LINEARS", {}):
+            changes[field.name] = convert(value, type(layer).LINEARS[field.name])
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes[field.name] = quantize_linears(value, convert)
+    return dataclasses.replace(layer, **changes)
+
+
+def quantize_layer(layer: Any, quantization: str | None) -> Any:
+    """A serving layer's linear weights in `quantization` (None: as they are)."""
+    return layer if quantization is None else quantize_linears(layer, quantize)
+
+
+def quantize_layer_specs(layer: Any, quantization: str | None) -> Any:
+    """A serving layer's ParamSpecs with its linear weights' specs as `quantization` stores them."""
+    return layer if quantization is None else quantize_linears(layer, quantized_spec)

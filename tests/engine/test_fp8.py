@@ -1,0 +1,99 @@
+"""An engine with FP8 linear weights (`LLM(quantization="fp8")`): greedy tokens equal the dense reference's with the
+same FP8 products under preemption, chunked prefill and prefix hits; the weights take FP8 bytes on the device;
+`update_weights` quantizes the new values again and compiles nothing; a bad quantization is a clear error."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.config import CapacityPolicy, CompileConfig
+from jaxserve.dense import generate_dense
+from jaxserve.models import quant
+from jaxserve.sampling import SamplingParams
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+BUCKETS = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False)
+
+
+@pytest.fixture(scope="module")
+def fp8_engines(tiny_model, make_llm):
+    built = {}
+
+    def get(model_type: str):
+        if model_type not in built:
+            model = tiny_model(model_type)
+            llm = make_llm(
+                model,
+                policy=CapacityPolicy.MAX_UTILIZATION,
+                kv_tokens=96,
+                max_seq_len=80,
+                compile_config=BUCKETS,
+                quantization="fp8",
+            )
+            built[model_type] = model, llm
+        return built[model_type]
+
+    return get
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, 160, 40).tolist()
+    prompts = [prefix + rng.integers(0, 160, int(rng.integers(1, 20))).tolist() for _ in range(4)]
+    return prompts + [rng.integers(0, 160, int(rng.integers(1, 60))).tolist() for _ in range(6)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3", "qwen3_moe"])
+def test_fp8_greedy_equals_the_dense_reference_with_the_same_products(fp8_engines, model_type, assert_engine_idle):
+    model, llm = fp8_engines(model_type)
+    prompts = _prompts(seed=3)
+    steps_before, hits_before = len(llm.step_stats), llm.engine.block_manager.stats.hit_tokens
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    reference = generate_dense(model.family, model.config, model.weights, prompts, NEW_TOKENS, quantization="fp8")
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    stats = llm.step_stats[steps_before:]
+    assert sum(s.num_preempted for s in stats) > 0, "the KV pool was meant to force preemption"
+    assert llm.engine.block_manager.stats.hit_tokens > hits_before, "the shared prefix was meant to hit the cache"
+    # Not the unquantized model's tokens everywhere: the FP8 products are what ran.
+    plain = generate_dense(model.family, model.config, model.weights, prompts, NEW_TOKENS)
+    assert plain != reference
+    assert_engine_idle(llm)
+
+
+def test_fp8_weights_take_fp8_bytes_on_the_device(fp8_engines):
+    _, llm = fp8_engines("llama")
+    arrays = llm.engine.runner.weights.arrays
+    layer = arrays.layers[0]
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        weight = getattr(layer, name)
+        assert isinstance(weight, quant.Fp8Weight) and weight.values.dtype == jax.numpy.float8_e4m3fn, name
+    linear = sum(w.values.nbytes + w.scale.nbytes for layer in arrays.layers for w in _linears(layer))
+    plain = sum(w.values.size * 4 for layer in arrays.layers for w in _linears(layer))
+    assert linear < 0.3 * plain  # a byte a weight (and a float32 scale per channel) against float32's four
+
+
+def _linears(layer):
+    return [getattr(layer, name) for name in type(layer).LINEARS]
+
+
+def test_update_weights_quantizes_the_new_values_and_compiles_nothing(tiny_model, make_llm, record_compiles):
+    model = tiny_model("llama")
+    llm = make_llm(model, compile_config=BUCKETS, quantization="fp8")
+    prompts = _prompts(seed=4)[:4]
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    new = tiny_model("llama", seed=7)
+    with record_compiles() as compiled:
+        llm.update_weights(new.weights)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert compiled == []
+    want = generate_dense(new.family, new.config, new.weights, prompts, NEW_TOKENS, quantization="fp8")
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert isinstance(llm.engine.runner.weights.arrays.layers[0].wqkv, quant.Fp8Weight)
+
+
+def test_unknown_quantization_is_named(tiny_model, make_llm):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('fp8',\), got 'int4'"):
+        make_llm(tiny_model("llama"), compile_config=BUCKETS, quantization="int4")
