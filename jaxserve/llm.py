@@ -137,6 +137,7 @@ class LLM:
         else:  # host weights: the runner lays them out on the device one layer at a time
             loaded = load_model(model, dtype=resolve_dtype(dtype), on_device=False)
         self.tokenizer = _tokenizer(tokenizer, loaded)
+        quantization = _checkpoint_quantization(quantization, loaded.hf_config)
         self.config = make_engine_config(
             loaded.hf_config,
             max_batch_size=default_max_batch_size() if max_batch_size is None else max_batch_size,
@@ -555,6 +556,16 @@ def _pure_params(params: Any) -> Any:
 
     to_pure_dict = getattr(nnx, "to_pure_dict", None)  # flax < 0.11 has the State method only
     return to_pure_dict(params) if to_pure_dict is not None else params.to_pure_dict()
+
+
+def _checkpoint_quantization(quantization: str | None, hf_config: dict) -> str | None:
+    """`quantization`, or "fp8" for an FP8 checkpoint (its weights are served in FP8 as vLLM serves them)."""
+    from jaxserve.models.fp8_checkpoint import checkpoint_format
+
+    if quantization is None and checkpoint_format(hf_config) is not None:
+        logger.info("an FP8 checkpoint (quantization_config): serving its linear weights in FP8 (quantization='fp8')")
+        return "fp8"
+    return quantization
 
 
 def _tokenizer(tokenizer: Any, loaded: LoadedModel) -> Any:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 
 class ModelFileError(ValueError):
     """A model file whose content is malformed: empty, truncated, not the format it claims, or invalid."""
@@ -69,6 +71,23 @@ _SAFETENSORS_ITEM_BYTES = {
     **dict.fromkeys(("U32", "I32", "F32"), 4),
     **dict.fromkeys(("U64", "I64", "F64"), 8),
 }
+
+
+def read_fp8_safetensor(path: Path, name: str) -> np.ndarray:
+    """One float8 tensor (F8_E4M3 or F8_E5M2) of a safetensors file as an ml_dtypes array: safetensors' numpy
+    reader has no float8 types. The file's header was checked by `check_safetensors`."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        entry = json.loads(f.read(header_len).decode("utf-8"))[name]
+        dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(entry["dtype"])
+        if dtype is None:
+            raise ModelFileError(path, f"tensor {name!r} is {entry['dtype']}, not a float8 type")
+        begin, end = entry["data_offsets"]
+        f.seek(8 + header_len + begin)
+        data = f.read(end - begin)
+    return np.frombuffer(data, dtype=np.uint8).view(dtype).reshape(entry["shape"])
 
 
 def check_safetensors(path: Path) -> None:

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxserve.models import fp8_checkpoint
 from jaxserve.models.common import CheckpointRule, ParamSpec
-from jaxserve.models.files import ModelFileError, check_safetensors, read_json_object
+from jaxserve.models.files import ModelFileError, check_safetensors, read_fp8_safetensor, read_json_object
 from jaxserve.models.tunix_params import is_tunix_tree, to_jaxserve_params
 
 if TYPE_CHECKING:
@@ -104,7 +105,14 @@ def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16", on_device:
     if resolved.kind == "orbax":
         weights = load_orbax(path / ORBAX_PARAMS_DIR, family, cfg, dtype)
     else:
-        weights = _assemble(family, cfg, SafetensorsCheckpoint(path).tensors(), np_dtype, on_device)
+        tensors = SafetensorsCheckpoint(path).tensors()
+        try:
+            fp8 = fp8_checkpoint.checkpoint_format(hf_config)
+        except ValueError as e:
+            raise ModelFileError(path / "config.json", str(e)) from e
+        if fp8 is not None:  # FP8 weights and their scales, as float32 weights (`LLM` serves them in FP8)
+            tensors = fp8_checkpoint.dequantized_tensors(tensors, fp8)
+        weights = _assemble(family, cfg, tensors, np_dtype, on_device)
     tokenizer_source = str(path) if any((path / name).is_file() for name in _TOKENIZER_MARKERS) else None
     return LoadedModel(family, cfg, weights, hf_config, tokenizer_source, str(source))
 
@@ -193,7 +201,10 @@ class SafetensorsCheckpoint:
         for file in sorted(set(self.location.values())):
             with safe_open(file, framework="numpy") as f:
                 for name in f.keys():  # noqa: SIM118
-                    yield name, f.get_tensor(name)
+                    if f.get_slice(name).get_dtype().startswith("F8_"):  # an FP8 checkpoint's weights
+                        yield name, read_fp8_safetensor(file, name)
+                    else:
+                        yield name, f.get_tensor(name)
 
 
 # --- assembly of named tensors into the weights dataclass --------------------------------------

@@ -1,0 +1,193 @@
+"""FP8 checkpoints as published, written small by the tests: transformers' `quant_method: "fp8"` with block-wise
+`weight_scale_inv` and compressed-tensors' float-quantized weights with per-channel and per-tensor `weight_scale`
+(and static `input_scale`s, dropped). Loaded, each linear weight equals its FP8 values times its scales exactly;
+the model's logits equal transformers' on those dequantized weights; `LLM` serves such a checkpoint in FP8. Unknown
+formats and missing or mis-shaped scales are errors that name them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from jaxserve.models.files import ModelFileError
+from jaxserve.models.fp8_checkpoint import dequantize
+from jaxserve.models.loader import load_model
+
+TOKENS = [3, 17, 42, 99, 5, 150, 8, 64, 1, 120, 33]
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BLOCK = (16, 32)  # rows, columns: the tiny model's 96 and 64 are not all multiples (partial blocks)
+
+
+def _is_linear(name: str) -> bool:
+    return name.split(".")[-2] in LINEAR and name.endswith(".weight")
+
+
+def _fp8(array: np.ndarray) -> np.ndarray:
+    return array.astype(ml_dtypes.float8_e4m3fn)
+
+
+def _quantize_block(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    bo, bi = block
+    out, inp = w.shape
+    scale = np.zeros((-(-out // bo), -(-inp // bi)), np.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            scale[i, j] = max(np.abs(w[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi]).max() / 448, 1e-12)
+    full = np.repeat(np.repeat(scale, bo, 0), bi, 1)[:out, :inp]
+    return _fp8(w / full), scale
+
+
+def _quantize_channel(w: np.ndarray, per_tensor: bool) -> tuple[np.ndarray, np.ndarray]:
+    scale = np.abs(w).max(keepdims=True) / 448 if per_tensor else np.abs(w).max(axis=1, keepdims=True) / 448
+    scale = scale.astype(np.float32)
+    return _fp8(w / scale), scale.reshape(1) if per_tensor else scale
+
+
+def write_fp8_checkpoint(directory: Path, config: dict, state: dict[str, np.ndarray], method: str) -> dict:
+    """The model's state dict as an FP8 checkpoint of `method` ("fp8", "ct_channel", "ct_tensor"); returns the
+    dequantized state dict the file holds."""
+    tensors, dequantized = {}, {}
+    for name, w in state.items():
+        if not _is_linear(name):
+            tensors[name] = dequantized[name] = w
+            continue
+        if method == "fp8":
+            values, scale = _quantize_block(w, BLOCK)
+            tensors[name], tensors[name + "_scale_inv"] = values, scale
+            dequantized[name] = dequantize(values, scale, BLOCK)
+        else:
+            values, scale = _quantize_channel(w, per_tensor=method == "ct_tensor")
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = values, scale
+            tensors[name.removesuffix("weight") + "input_scale"] = np.ones(1, np.float32)
+            dequantized[name] = dequantize(values, scale, None)
+    if method == "fp8":
+        quant = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic"}
+    else:
+        strategy = "tensor" if method == "ct_tensor" else "channel"
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
+        quant = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
+            "ignore": ["lm_head"],
+        }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return dequantized
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_config, hf_model):
+    config = tiny_hf_config("llama")
+    model = hf_model(config)
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return config, model, state
+
+
+@pytest.mark.parametrize("method", ["fp8", "ct_channel", "ct_tensor"])
+def test_fp8_checkpoint_loads_its_values_times_its_scales(tmp_path, tiny, method, our_logits, hf_logits):
+    config, model, state = tiny
+    dequantized = write_fp8_checkpoint(tmp_path / method, config, state, method)
+    loaded = load_model(tmp_path / method, dtype="float32")
+    cfg = loaded.config
+    q = dequantized["model.layers.1.self_attn.q_proj.weight"]
+    np.testing.assert_array_equal(loaded.weights.layers.wq[1], q.T.reshape(cfg.hidden_size, cfg.num_heads, -1))
+    np.testing.assert_array_equal(loaded.weights.layers.w_down[0], dequantized["model.layers.0.mlp.down_proj.weight"].T)
+    assert not np.array_equal(q, state["model.layers.1.self_attn.q_proj.weight"])  # FP8 values, not the originals
+    # transformers on the weights the file holds gives the same logits.
+    with torch.no_grad():
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in dequantized.items()})
+        np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), rtol=1e-4, atol=1e-4)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+
+
+def test_llm_serves_an_fp8_checkpoint_in_fp8(tmp_path, tiny):
+    from jaxserve import LLM, CompileConfig
+    from jaxserve.bench import TokenIdTokenizer
+
+    config, _, state = tiny
+    write_fp8_checkpoint(tmp_path, config, state, "fp8")
+    llm = LLM(
+        str(tmp_path),
+        tokenizer=TokenIdTokenizer(),
+        max_batch_size=2,
+        max_seq_len=32,
+        max_num_tokens=32,
+        compile_config=CompileConfig(decode_batch_sizes=(2,), token_buckets=(32,), penalty_variants=False),
+        show_progress=False,
+    )
+    assert llm.config.quantization == "fp8"
+    llm.close()
+
+
+def _write(directory: Path, config: dict, tensors: dict[str, np.ndarray], quant: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.mark.parametrize(
+    "quant, message",
+    [
+        ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}},
+            },
+            r"compressed-tensors format 'int-quantized' is not supported",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "channel"}}},
+            },
+            r"config group 'g' has 4-bit float weights",
+        ),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be \[rows, columns\]"),
+    ],
+    ids=["awq", "int8", "fp4", "block"],
+)
+def test_unknown_formats_are_named(tmp_path, tiny, quant, message):
+    config, _, state = tiny
+    path = _write(tmp_path, config, state, quant)
+    with pytest.raises(ModelFileError, match=message):
+        load_model(path, dtype="float32")
+
+
+def test_missing_and_misshapen_scales_are_named(tmp_path, tiny):
+    config, _, state = tiny
+    write_fp8_checkpoint(tmp_path / "ok", config, state, "fp8")
+    from safetensors import safe_open
+
+    from jaxserve.models.files import read_fp8_safetensor
+
+    file = tmp_path / "ok" / "model.safetensors"
+    with safe_open(file, framework="numpy") as f:
+        names = list(f.keys())
+    tensors = {n: read_fp8_safetensor(file, n) if n.endswith("proj.weight") and _is_linear(n) else None for n in names}
+    with safe_open(file, framework="numpy") as f:
+        tensors = {n: t if t is not None else f.get_tensor(n) for n, t in tensors.items()}
+    quant = json.loads((tmp_path / "ok" / "config.json").read_text())["quantization_config"]
+    missing = dict(tensors)
+    del missing["model.layers.0.mlp.up_proj.weight_scale_inv"]
+    path = _write(tmp_path / "missing", config, missing, quant)
+    with pytest.raises(ValueError, match=r"FP8 weight 'model.layers.0.mlp.up_proj.weight' has no .*weight_scale_inv"):
+        load_model(path, dtype="float32")
+    wrong = dict(tensors)
+    wrong["model.layers.1.self_attn.o_proj.weight_scale_inv"] = np.ones((1, 1), np.float32)
+    path = _write(tmp_path / "wrong", config, wrong, quant)
+    with pytest.raises(
+        ValueError, match=r"o_proj.weight: a \[64, 64\] weight with 16 x 32 blocks needs a \[4, 2\] scale"
+    ):
+        load_model(path, dtype="float32")
