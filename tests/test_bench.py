@@ -44,6 +44,7 @@ ENGINE_KEYS = {
     "xla_compile_s",
     "gpu_client",
     "experts",
+    "quantization",
 }
 STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
 PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
@@ -456,6 +457,7 @@ def test_latency_end_to_end_on_random_weights(capsys, tmp_path):
     assert set(record) == LATENCY_KEYS and record["engine"]["max_batch_size"] == 1
     assert record["engine"]["gpu_client"] is None  # a CPU run
     assert record["engine"]["experts"] is None  # a dense model
+    assert record["engine"]["quantization"] is None
     assert (record["batch_size"], record["input_len"], record["output_len"]) == (1, 8, 4)
     assert (record["num_iters"], record["num_warmup"], len(record["iteration_latencies_s"])) == (3, 1, 3)
     # forwards: decode 1, prefill 8, and max_num_tokens = 12; samplers: 1 row in 2 modes (greedy
@@ -510,3 +512,11 @@ def test_expert_layout_is_named_for_a_mixture_of_experts_only():
     assert expert_layout(moe, True, 4) == "expert_parallel"
     assert expert_layout(moe, False, 4) == "tensor_parallel"
     assert expert_layout(llama.LlamaConfig.from_hf(shapes.shape("llama-3.1-8b")), False, 4) is None
+
+
+def test_fp8_random_weights_bench(capsys):
+    args = ["bench", "latency", "--random-weights", "tiny-llama", "--input-len", "8", "--output-len", "4"]
+    args += ["--num-iters", "1", "--decode-batch-sizes", "1", "--token-buckets", "8", "--quantization", "fp8"]
+    assert main([*args, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["engine"]["quantization"] == "fp8"
