@@ -2,11 +2,12 @@
 accuracy of the batch_eval notebook's 16 multiple-choice questions (capitals and sums, two-shot), both through the
 engine's scoring API (`SamplingParams(prompt_logprobs=0)`), for each configuration named.
 
-    python benchmarks/quality.py                                   # smollm2-135m-instruct: base, fp8
+    python benchmarks/quality.py                                   # smollm2-135m-instruct: every configuration
     python benchmarks/quality.py --model gemma-3-270m --dtype float32
     python benchmarks/quality.py --configs base fp8 --json
 
-Configurations: "base" (weights in --dtype), "fp8" (`quantization="fp8"`). The data (benchmarks/data/
+Configurations: "base" (weights in --dtype), "fp8" (`quantization="fp8"`), "fp8_kv" (`kv_cache_dtype="fp8"`),
+"fp8+fp8_kv" (both). The data (benchmarks/data/
 quality.json): a ~330-token English text written for it, and the questions with their two-shot prefix. A
 question counts as right when its right choice has the highest log-likelihood (lm-eval's `acc`). Perplexity is
 exp of the mean negative log-likelihood of the text's tokens after the first. On a CPU the default dtype is
@@ -25,7 +26,12 @@ from typing import Any
 import numpy as np
 
 DATA = Path(__file__).resolve().parent / "data" / "quality.json"
-CONFIGS = {"base": {}, "fp8": {"quantization": "fp8"}}
+CONFIGS = {
+    "base": {},
+    "fp8": {"quantization": "fp8"},
+    "fp8_kv": {"kv_cache_dtype": "fp8"},
+    "fp8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +97,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto", help="the weights' and activations' dtype (default: auto)")
-    parser.add_argument("--configs", nargs="+", default=["base", "fp8"], choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--json", action="store_true", help="one JSON object per configuration")
     args = parser.parse_args()
     from jaxserve.llm import resolve_dtype

@@ -32,6 +32,7 @@ significant digits.
                          "compiled_executables" (forwards and samplers, over every replica),
                          "experts" (a mixture of experts' layout: "expert_parallel" | "tensor_parallel" |
                          "one_device"; null for a dense model), "quantization" (null | "fp8"),
+                         "kv_cache_dtype" (the KV pool's element type, e.g. "bfloat16", "float8_e4m3fn"),
                          "lowering_s", "xla_compile_s" (of the executables compiled at warmup rather than
                          loaded from the step store: tracing and lowering them, which holds the GIL, and
                          XLA's compile, which the compile threads overlap; summed over executables),
@@ -244,6 +245,7 @@ class EngineSummary:
     gpu_client: str | None = None  # gpu_client.active_client: "tfrt" | "stream_executor"; None off a GPU
     experts: str | None = None  # expert_layout; None for a dense model
     quantization: str | None = None  # EngineConfig.quantization
+    kv_cache_dtype: str | None = None  # the KV pool's element type
 
 
 def expert_layout(cfg: Any, expert_parallel: bool, tensor_parallel_size: int) -> str | None:
@@ -284,6 +286,7 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         gpu_client=gpu_client.active_client(llm.engine.runner.mesh.devices.flat[0].platform),
         experts=expert_layout(spec.cfg, spec.expert_parallel, tp),
         quantization=spec.quantization,
+        kv_cache_dtype=np.dtype(spec.cache_dtype).name,
     )
 
 
@@ -566,7 +569,8 @@ def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
         f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
         f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s; summed over those not loaded "
         f"from the step store: tracing and lowering {e.lowering_s:.2f} s, XLA {e.xla_compile_s:.2f} s)",
-        f"KV cache            {e.kv_blocks} blocks ({e.kv_tokens} tokens, {size}), peak usage {peak}",
+        f"KV cache            {e.kv_blocks} blocks ({e.kv_tokens} tokens, {size}"
+        f"{'' if e.kv_cache_dtype is None else f', {e.kv_cache_dtype}'}), peak usage {peak}",
     ]
 
 

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> str:
             decode_batch_sizes=(1,), token_buckets=(max(len(prompt_ids), 1),), penalty_variants=False
         ),
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         show_progress=args.verbose,
     )
@@ -171,6 +172,7 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
             max_tokens=args.kv_cache_max_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             sliding_window_kv=not args.no_sliding_window_kv,
+            dtype=args.kv_cache_dtype,
         ),
         "scheduler_config": SchedulerConfig(
             capacity_policy=CapacityPolicy(args.capacity_policy),

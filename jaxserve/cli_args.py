@@ -10,7 +10,7 @@ from typing import Any
 
 
 def _add_generation_args(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.config import DTYPES, QUANTIZATIONS
+    from jaxserve.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
     from jaxserve.models.hub import DEFAULT_MODEL
 
     parser.add_argument(
@@ -27,6 +27,9 @@ def _add_generation_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization", choices=QUANTIZATIONS, default=None, help="fp8: FP8 linear weights (default: none)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="fp8: an FP8 KV cache (default: auto)"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
@@ -227,7 +230,7 @@ def _add_engine_options(
 
 def _add_capacity_options(group: Any) -> None:
     """The KV pool's size and the scheduler's admission."""
-    from jaxserve.config import CapacityPolicy
+    from jaxserve.config import KV_CACHE_DTYPES, CapacityPolicy
 
     positive = _int_at_least(1)
     group.add_argument(
@@ -239,6 +242,12 @@ def _add_capacity_options(group: Any) -> None:
     )
     group.add_argument("--kv-cache-max-tokens", type=positive, metavar="N", help="cap on the KV pool, in tokens")
     group.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: K and V stored as float8_e4m3fn, half bf16's bytes (default: auto, the engine's dtype)",
+    )
     group.add_argument(
         "--no-sliding-window-kv",
         action="store_true",

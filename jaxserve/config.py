@@ -29,6 +29,8 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "pallas", "xla")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # Weight quantizations (`jaxserve/models/quant.py`): "fp8" is float8_e4m3fn with a scale per output channel.
 QUANTIZATIONS = ("fp8",)
+# KV cache element types (`KvCacheConfig.dtype`): the engine's dtype, or float8_e4m3fn.
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 # What sampled tokens' logprobs are taken over (vLLM's logprobs_mode names): the model's logits, or the
 # logits the token is drawn from (after penalties, temperature and the top-k / top-p / min-p filters).
@@ -82,6 +84,9 @@ class KvCacheConfig:
     sliding_window_kv: sliding-window layers keep only their window of each sequence's KV (blocks below it are
         released as the sequence runs, `jaxserve/kv_layout.py`); False keeps every token in every layer, for
         comparison.
+    dtype: "auto" (the engine's dtype) or "fp8": K and V stored as float8_e4m3fn, one byte a value (capacity
+        counts it), each value clipped to e4m3's +-448 with a scale of 1 (vLLM's default without calibrated
+        scales), read back to the engine's dtype inside the attention kernels (`models/attention.py`).
     """
 
     block_size: int = 16
@@ -90,6 +95,7 @@ class KvCacheConfig:
     max_gpu_total_bytes: int | None = None
     enable_prefix_caching: bool = True
     sliding_window_kv: bool = True
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1, 1024)
@@ -106,6 +112,8 @@ class KvCacheConfig:
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.sliding_window_kv, bool):
             raise ValueError(f"sliding_window_kv must be a bool, got {self.sliding_window_kv!r}")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,18 +86,21 @@ def generate_dense(
     top_p: float = 1.0,
     seed: int = 0,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[list[int]]:
     """The new tokens of each prompt: max_new_tokens of them, or fewer ending with an EOS token.
 
     `weights` in the checkpoint layout (what loaders and `init_weights` return); `quantization`: their linear
-    layers quantized as the engine's `EngineConfig.quantization` quantizes them (the same products)."""
+    layers quantized as the engine's `EngineConfig.quantization` quantizes them (the same products);
+    `kv_cache_dtype` "fp8": the cache holds K and V as the engine's FP8 pool does (`KvCacheConfig.dtype`)."""
     _validate(prompts, max_new_tokens, temperature, top_p)
     weights = family.to_serving(weights, cfg, quantization=quantization)
     sampling = (np.float32(temperature), np.float32(top_p))
     step = partial(_step, family=family, cfg=cfg)
     lengths = np.array([len(p) for p in prompts], dtype=np.int32)
     batch = len(prompts)
-    kv_cache = init_dense_cache(cfg, batch, int(lengths.max()) + max_new_tokens, weights.embed.dtype)
+    cache_dtype = jnp.float8_e4m3fn if kv_cache_dtype == "fp8" else weights.embed.dtype
+    kv_cache = init_dense_cache(cfg, batch, int(lengths.max()) + max_new_tokens, cache_dtype)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
 
     # Prefill: all prompts in one flat batch, sampling from each prompt's last token.

@@ -96,6 +96,8 @@ class LLM:
     enable_expert_parallel: a mixture of experts' layout under tensor parallelism (vLLM's option of that name):
         True puts E / tp whole experts on each device, False splits each expert's hidden over them, None (the
         default) chooses as `EngineConfig.enable_expert_parallel` says. Ignored, with a warning, for a dense model.
+    kv_cache_dtype: None (default: `kv_cache_config`'s dtype, "auto") or "fp8" (vLLM's option of that name): K and V
+        stored as float8_e4m3fn (`KvCacheConfig.dtype`).
     quantization: None (default) or "fp8" (vLLM's option of that name): the linear layers' weights in
         float8_e4m3fn with per-output-channel scales, quantized on the device layer by layer as they are placed
         (and again on every `update_weights`), activations quantized per token; `EngineConfig.quantization`.
@@ -126,6 +128,7 @@ class LLM:
         logprobs_mode: str = "raw_logprobs",
         enable_expert_parallel: bool | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str | None = None,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -138,6 +141,8 @@ class LLM:
             loaded = load_model(model, dtype=resolve_dtype(dtype), on_device=False)
         self.tokenizer = _tokenizer(tokenizer, loaded)
         quantization = _checkpoint_quantization(quantization, loaded.hf_config)
+        if kv_cache_dtype is not None:
+            kv_cache_config = dataclasses.replace(kv_cache_config or KvCacheConfig(), dtype=kv_cache_dtype)
         self.config = make_engine_config(
             loaded.hf_config,
             max_batch_size=default_max_batch_size() if max_batch_size is None else max_batch_size,

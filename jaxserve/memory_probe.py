@@ -29,7 +29,7 @@ def profile_memory(table: StepTable, mesh: Mesh, weights: Any, state: StepState)
     This process's devices only: in a multi-process run each process profiles its own, then they agree on the
     smallest pool (`distributed.agree_on_num_blocks`)."""
     spec = table.spec
-    per_token = capacity.kv_bytes_per_token(cache_specs(spec, 2), mesh, spec.dtype)
+    per_token = capacity.kv_bytes_per_token(cache_specs(spec, 2), mesh, spec.cache_dtype)
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if any(capacity.device_memory(d) is None for d in devices):
         return capacity.MemoryProfile(per_token)

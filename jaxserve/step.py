@@ -107,6 +107,12 @@ class RunnerSpec:
     kv_layout: KVLayout | None = None  # the KV pool's layer groups; None: one group of every layer
     expert_parallel: bool = False  # EngineConfig.enable_expert_parallel as resolved: whole experts a device
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' storage ("fp8")
+    kv_cache_dtype: str = "auto"  # KvCacheConfig.dtype: "auto" (the dtype above) or "fp8"
+
+    @property
+    def cache_dtype(self) -> jnp.dtype:
+        """The KV pool's element type: float8_e4m3fn for an FP8 cache, else the serving dtype."""
+        return jnp.dtype(jnp.float8_e4m3fn) if self.kv_cache_dtype == "fp8" else jnp.dtype(self.dtype)
 
     @property
     def layout(self) -> KVLayout:

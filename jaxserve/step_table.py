@@ -140,7 +140,7 @@ class StepTable:
         specs = cache_specs(self.spec, num_blocks)
         cache_shardings = named_shardings(specs, self.mesh, self.spec.rules)
         cache = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.dtype, sharding=sh), specs, cache_shardings
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.spec.cache_dtype, sharding=sh), specs, cache_shardings
         )
         inputs = padding_inputs(bucket, StepVariant(prompt_logprobs=prompt_logprobs), self.spec.steps)
         abstract_inputs = jax.tree.map(self._abstract, inputs)
@@ -283,7 +283,12 @@ def zero_cache(spec: RunnerSpec, mesh: Mesh, num_blocks: int) -> PagedKVCache:
     """A zeroed KV pool of num_blocks blocks, allocated on the mesh in the spec's rules table's layout."""
     shardings = named_shardings(cache_specs(spec, num_blocks), mesh, spec.rules)
     build = partial(
-        init_paged_cache, spec.cfg, num_blocks, spec.steps.buckets.block_size, spec.dtype, spec.layout.layers_per_page
+        init_paged_cache,
+        spec.cfg,
+        num_blocks,
+        spec.steps.buckets.block_size,
+        spec.cache_dtype,
+        spec.layout.layers_per_page,
     )
     return jax.jit(build, out_shardings=shardings)()
 

@@ -16,6 +16,14 @@ def test_generate_prints_the_greedy_continuation(capsys):
 
 
 @pytest.mark.slow
+def test_generate_in_fp8_with_an_fp8_kv_cache(capsys):
+    """FP8 weights and KV on the default model still continue the prompt correctly."""
+    args = ["generate", "The capital of France is", "--max-tokens", "8", "--quantization", "fp8"]
+    assert main([*args, "--kv-cache-dtype", "fp8"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_chat_answers_with_the_chat_template(capsys):
     assert main(["chat", "What is the capital of France?", "--max-tokens", "16"]) == 0
     out = capsys.readouterr().out
@@ -29,6 +37,8 @@ def test_chat_answers_with_the_chat_template(capsys):
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--dtype", "int8"], "invalid choice"),
+        (["--quantization", "int4"], "invalid choice"),
+        (["--kv-cache-dtype", "int8"], "invalid choice"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(args, message, capsys):

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# A KV pool may also hold float8_e4m3fn (an FP8 KV cache): the kernels convert its tiles to q's dtype as they load.
+CACHE_DTYPES = (*FLOAT_DTYPES, jnp.dtype(jnp.float8_e4m3fn))
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +77,11 @@ def check_attention_inputs(q, k_cache, v_cache, block_table, kv_lens, cu_q_lens,
         raise ValueError(f"k_cache shape {k_cache.shape} and v_cache shape {v_cache.shape} differ")
     if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"q dtype must be one of float32, bfloat16, float16, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have q's dtype ({q.dtype})")
+    if v_cache.dtype != k_cache.dtype or (k_cache.dtype != q.dtype and k_cache.dtype != jnp.float8_e4m3fn):
+        raise TypeError(
+            f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have q's dtype ({q.dtype}), or both be "
+            "float8_e4m3fn (an FP8 KV cache)"
+        )
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
     if num_heads % num_kv_heads:
@@ -136,8 +141,8 @@ def check_write_inputs(k_cache, v_cache, k_new, v_new, slot_mapping) -> None:
         raise ValueError(f"slot_mapping must be [T]=[{k_new.shape[0]}], got shape {slot_mapping.shape}")
     _check_int32("slot_mapping", slot_mapping)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"{name} dtype must be one of float32, bfloat16, float16, got {x.dtype}")
+        if jnp.dtype(x.dtype) not in CACHE_DTYPES:
+            raise TypeError(f"{name} dtype must be one of float32, bfloat16, float16, float8_e4m3fn, got {x.dtype}")
     if k_new.dtype != k_cache.dtype or v_new.dtype != v_cache.dtype:
         raise TypeError(f"k_new/v_new ({k_new.dtype}/{v_new.dtype}) must have the cache's dtype ({k_cache.dtype})")
 

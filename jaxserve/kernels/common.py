@@ -100,7 +100,10 @@ def load_kv(r: AttentionInputs, page, j, h, keys_ok, dims, p: TileParams) -> tup
     idx = (page[:, None], lax.rem(j, p.block_size)[:, None], h, d[None, :])
     mask = dmask if keys_ok is None else and_mask(keys_ok[:, None], dmask)
     other = None if mask is None else 0.0
-    return plgpu.load(r.k_cache.at[idx], mask=mask, other=other), plgpu.load(r.v_cache.at[idx], mask=mask, other=other)
+    k, v = plgpu.load(r.k_cache.at[idx], mask=mask, other=other), plgpu.load(r.v_cache.at[idx], mask=mask, other=other)
+    if r.k_cache.dtype != r.q.dtype:  # an FP8 pool: its values in q's dtype, in registers
+        k, v = k.astype(r.q.dtype), v.astype(r.q.dtype)
+    return k, v
 
 
 def exp2(x: jax.Array, approx: bool) -> jax.Array:

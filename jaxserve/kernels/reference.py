@@ -56,8 +56,9 @@ def _attend_token(q_t, seq, pos, valid, k_cache, v_cache, block_table, kv_lens, 
     stored = ((key_pos < kv_lens[seq]) & valid)[:, None, None]
     # Slots past kv_len (and all of a padding token's row) hold whatever the pool had, even NaN: zero
     # them so that 0 * garbage cannot leak into the output.
-    k = jnp.where(stored, k_cache[block_table[seq]].reshape(width, num_kv_heads, head_dim), 0)
-    v = jnp.where(stored, v_cache[block_table[seq]].reshape(width, num_kv_heads, head_dim), 0)
+    # An FP8 pool's values in q's dtype first, as the kernels convert them.
+    k = jnp.where(stored, k_cache[block_table[seq]].reshape(width, num_kv_heads, head_dim).astype(q_t.dtype), 0)
+    v = jnp.where(stored, v_cache[block_table[seq]].reshape(width, num_kv_heads, head_dim).astype(q_t.dtype), 0)
     qg = q_t.reshape(num_kv_heads, -1, head_dim)
     hi = lax.Precision.HIGHEST
     s = jnp.einsum("kgd,skd->kgs", qg, k, preferred_element_type=jnp.float32, precision=hi) * sm_scale

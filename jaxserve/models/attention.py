@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +102,24 @@ class PagedAttentionMetadata:
     mesh: Mesh | None = None
     interpret: bool = False
     kv_layout: KVLayout | None = None
+
+
+# An FP8 KV cache (`KvCacheConfig.dtype="fp8"`) stores K and V as float8_e4m3fn with a scale of 1: each value
+# rounded to e4m3 and clipped to its finite range (+-448; e4m3fn has no infinity, an overflow would be NaN), as
+# vLLM's fp8 KV cache does without calibrated scales. Reads convert back to the compute dtype.
+KV_FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+_KV_FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+
+
+def is_fp8_cache(kv_cache: Any) -> bool:
+    return kv_cache.k.dtype == KV_FP8_DTYPE
+
+
+def to_cache(x: Array, dtype: Any) -> Array:
+    """K or V rows in the cache's dtype: for an FP8 cache clipped to e4m3's range first."""
+    if jnp.dtype(dtype) == KV_FP8_DTYPE:
+        x = jnp.clip(x.astype(jnp.float32), -_KV_FP8_MAX, _KV_FP8_MAX)
+    return x.astype(dtype)
 
 
 def paged_cache_specs(
@@ -185,10 +203,10 @@ def rope_attention(
 ) -> tuple[Float[Array, "T H Dh"], DenseKVCache | PagedKVCache]:
     """`attention` of a fused qkv projection's output (`common.split_qkv`'s layout) after rope on q and k.
 
-    On the paged pallas backend one kernel slices, ropes and writes (`paged_rope_attention`); elsewhere the
-    same arithmetic as XLA ops (`split_qkv`, `apply_rope`, then `attention`).
+    On the paged pallas backend one kernel slices, ropes and writes (`paged_rope_attention`); elsewhere, and for
+    an FP8 pool, the same arithmetic as XLA ops (`split_qkv`, `apply_rope`, then `attention`).
     """
-    if _runs_pallas(meta) and isinstance(kv_cache, PagedKVCache):
+    if _runs_pallas(meta) and isinstance(kv_cache, PagedKVCache) and not is_fp8_cache(kv_cache):
         return paged_rope_attention(
             qkv, cos, sin, kv_cache, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
         )
@@ -250,7 +268,7 @@ def paged_attention(
         return attend(q, k_pool, v_pool, *tables[1:]), k_pool, v_pool
 
     dtype = kv_cache.k.dtype
-    new = (q.astype(dtype), k.astype(dtype), v.astype(dtype))
+    new = (q.astype(q.dtype if is_fp8_cache(kv_cache) else dtype), to_cache(k, dtype), to_cache(v, dtype))
     axes = (("heads", "head_dim"), ("kv_heads", "head_dim"), ("kv_heads", "head_dim"))
     out, cache = _on_layer_pool(write_and_attend, kv_cache, layer, meta, new, axes, q.shape)
     return out.astype(q.dtype), cache
@@ -364,8 +382,8 @@ def write_dense(
 ) -> DenseKVCache:
     """Scatters each token's K/V to cache[layer, seq_ids[t], positions[t]]."""
     dtype = kv_cache.k.dtype
-    new_k = kv_cache.k.at[layer, meta.seq_ids, positions].set(k.astype(dtype))
-    new_v = kv_cache.v.at[layer, meta.seq_ids, positions].set(v.astype(dtype))
+    new_k = kv_cache.k.at[layer, meta.seq_ids, positions].set(to_cache(k, dtype))
+    new_v = kv_cache.v.at[layer, meta.seq_ids, positions].set(to_cache(v, dtype))
     return DenseKVCache(k=new_k, v=new_v)
 
 
@@ -388,8 +406,9 @@ def dense_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = layer_cache.k.shape[2]
     group = num_heads // num_kv_heads
-    keys = layer_cache.k[meta.seq_ids]  # [T, S, K, Dh]
-    values = layer_cache.v[meta.seq_ids]
+    compute = q.dtype if is_fp8_cache(layer_cache) else layer_cache.k.dtype  # an FP8 cache's values in q's dtype
+    keys = layer_cache.k[meta.seq_ids].astype(compute)  # [T, S, K, Dh]
+    values = layer_cache.v[meta.seq_ids].astype(compute)
     # Query head h reads kv head h // group (Hugging Face's repeat_kv order).
     q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,tskd->tkgs", q_grouped, keys, preferred_element_type=jnp.float32) * sm_scale

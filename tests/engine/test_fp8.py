@@ -1,6 +1,8 @@
-"""An engine with FP8 linear weights (`LLM(quantization="fp8")`): greedy tokens equal the dense reference's with the
-same FP8 products under preemption, chunked prefill and prefix hits; the weights take FP8 bytes on the device;
-`update_weights` quantizes the new values again and compiles nothing; a bad quantization is a clear error."""
+"""An engine with FP8 linear weights (`LLM(quantization="fp8")`) and an FP8 KV cache (`kv_cache_dtype="fp8"`), alone
+and together: greedy tokens equal the dense reference's with the same FP8 products and the same FP8 cache under
+preemption, chunked prefill, prefix hits and sliding-window block release; the weights take FP8 bytes on the
+device and the pool a byte a value; `update_weights` quantizes the new values again and compiles nothing; bad
+values are clear errors."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ BUCKETS = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_va
 def fp8_engines(tiny_model, make_llm):
     built = {}
 
-    def get(model_type: str):
-        if model_type not in built:
+    def get(model_type: str, quantization: str | None = "fp8", kv_cache_dtype: str = "auto"):
+        key = model_type, quantization, kv_cache_dtype
+        if key not in built:
             model = tiny_model(model_type)
             llm = make_llm(
                 model,
@@ -31,10 +34,11 @@ def fp8_engines(tiny_model, make_llm):
                 kv_tokens=96,
                 max_seq_len=80,
                 compile_config=BUCKETS,
-                quantization="fp8",
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
             )
-            built[model_type] = model, llm
-        return built[model_type]
+            built[key] = model, llm
+        return built[key]
 
     return get
 
@@ -61,6 +65,35 @@ def test_fp8_greedy_equals_the_dense_reference_with_the_same_products(fp8_engine
     plain = generate_dense(model.family, model.config, model.weights, prompts, NEW_TOKENS)
     assert plain != reference
     assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "model_type, quantization",
+    [("llama", None), ("llama", "fp8"), ("gemma3", None), ("qwen3_moe", "fp8")],
+    ids=["llama-kv", "llama-weights-kv", "gemma3-kv", "qwen3_moe-weights-kv"],
+)
+def test_fp8_kv_greedy_equals_the_dense_reference_with_an_fp8_cache(
+    fp8_engines, model_type, quantization, assert_engine_idle
+):
+    model, llm = fp8_engines(model_type, quantization, "fp8")
+    assert llm.engine.runner.kv_cache.k.dtype == jax.numpy.float8_e4m3fn
+    prompts = _prompts(seed=5)
+    steps_before, hits_before = len(llm.step_stats), llm.engine.block_manager.stats.hit_tokens
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    reference = generate_dense(
+        model.family, model.config, model.weights, prompts, NEW_TOKENS, quantization=quantization, kv_cache_dtype="fp8"
+    )
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    stats = llm.step_stats[steps_before:]
+    assert sum(s.num_preempted for s in stats) > 0 and llm.engine.block_manager.stats.hit_tokens > hits_before
+    assert_engine_idle(llm)
+
+
+def test_fp8_kv_pool_takes_a_byte_a_value(fp8_engines):
+    _, plain = fp8_engines("llama", None, "auto")
+    _, fp8 = fp8_engines("llama", None, "fp8")
+    per_token = [llm.engine.kv_budget.bytes_per_block for llm in (plain, fp8)]
+    assert per_token[0] == 4 * per_token[1]  # float32 on the CPU against e4m3
 
 
 def test_fp8_weights_take_fp8_bytes_on_the_device(fp8_engines):
@@ -97,3 +130,5 @@ def test_update_weights_quantizes_the_new_values_and_compiles_nothing(tiny_model
 def test_unknown_quantization_is_named(tiny_model, make_llm):
     with pytest.raises(ValueError, match=r"quantization must be None or one of \('fp8',\), got 'int4'"):
         make_llm(tiny_model("llama"), compile_config=BUCKETS, quantization="int4")
+    with pytest.raises(ValueError, match=r"kv cache dtype must be one of \('auto', 'fp8'\), got 'int8'"):
+        make_llm(tiny_model("llama"), compile_config=BUCKETS, kv_cache_dtype="int8")

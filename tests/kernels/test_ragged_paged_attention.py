@@ -86,3 +86,28 @@ def test_half_dtypes(dtype, paged_batch, numpy_attention, rel_err):
     out = _check(batch, numpy_attention, rel_err, dtype=dtype)
     assert pk.ragged_paged_attention(*batch.args(), sm_scale=0.125, interpret=True).dtype == dtype
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("max_q_len", [None, 1], ids=["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fp8_pool_is_read_in_q_dtype(max_q_len, dtype, paged_batch, numpy_attention, rel_err):
+    """An FP8 KV pool (float8_e4m3fn; NaN in the slots no sequence owns) with q in float32 or bf16: the kernel and
+    the reference equal the oracle over the e4m3-rounded keys and values, to q's dtype's bound."""
+    import dataclasses
+
+    import ml_dtypes
+
+    seqs = [(1, 40), (1, 3), (1, 90)] if max_q_len == 1 else MIXED
+    batch = paged_batch(np.random.default_rng(11), seqs, num_tokens=96 if max_q_len is None else 3, max_seqs=8)
+    f8 = ml_dtypes.float8_e4m3fn
+    rounded = dataclasses.replace(
+        batch,
+        q=batch.q.astype(dtype),
+        k_cache=batch.k_cache.astype(f8),
+        v_cache=batch.v_cache.astype(f8),
+        keys=[k.astype(f8).astype(np.float32) for k in batch.keys],
+        values=[v.astype(f8).astype(np.float32) for v in batch.values],
+    )
+    out = _check(rounded, numpy_attention, rel_err, dtype=dtype, max_q_len=max_q_len)
+    # e4m3 keeps about 2^-4 of each value: far from the unrounded cache's attention, not equal to it.
+    assert rel_err(out, numpy_attention(batch, 0.125)) > 1e-3

@@ -1,5 +1,6 @@
 """write_kv (Pallas, interpret mode) against write_kv_reference: a round trip through shuffled slots, padding
-tokens aimed at the reserved block 0, token counts that do not fill the last tile, every dtype, and a
+tokens aimed at the reserved block 0, token counts that do not fill the last tile, every dtype (an FP8 pool's
+float8_e4m3fn too), and a
 padded head_dim with a non-power-of-two kv head count."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from jaxserve import kernels as pk
 
 
 def _cache_and_rows(rng, num_blocks, block_size, num_kv_heads, head_dim, num_tokens, dtype):
+    """Random rows in `dtype` (float8_e4m3fn: an FP8 KV pool's, values already rounded to e4m3)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = jnp.asarray(rng.standard_normal(shape), dtype)
     v_cache = jnp.asarray(rng.standard_normal(shape), dtype)
@@ -22,7 +24,7 @@ def _cache_and_rows(rng, num_blocks, block_size, num_kv_heads, head_dim, num_tok
 
 @pytest.mark.parametrize(
     "dtype,num_kv_heads,head_dim,block_t",
-    [(jnp.float32, 2, 64, 16), (jnp.bfloat16, 3, 80, 8), (jnp.float16, 1, 128, 32)],
+    [(jnp.float32, 2, 64, 16), (jnp.bfloat16, 3, 80, 8), (jnp.float16, 1, 128, 32), (jnp.float8_e4m3fn, 2, 64, 16)],
 )
 def test_round_trip(dtype, num_kv_heads, head_dim, block_t):
     rng = np.random.default_rng(head_dim)
