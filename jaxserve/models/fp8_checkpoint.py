@@ -11,6 +11,8 @@ Formats read:
   weights (llm-compressor's FP8 releases, e.g. the FP8 Llama models): `X.weight` in float8_e4m3fn [out, in] and
   `X.weight_scale` [out, 1] (strategy "channel") or [1] / [] (strategy "tensor"); `X.input_scale` (a static
   activation scale) is dropped, with one log line: activations are quantized per token at run time.
+Calibrated KV-cache scales (`self_attn.k_scale`, `v_scale`, `kv_scale`: a `kv_cache_scheme`) are dropped too, with
+one log line: an FP8 KV cache (`kv_cache_dtype="fp8"`) stores K and V with a scale of 1.
 Any other `quant_method`, format or weight type is an error that names it. Tensors without a scale (norms,
 embeddings, the layers a config leaves unquantized) are read as they are.
 """
@@ -26,6 +28,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _SCALE_SUFFIXES = {"fp8": ".weight_scale_inv", "compressed-tensors": ".weight_scale"}
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +112,13 @@ def dequantized_tensors(
     scale, or a scale without its weight, is a ValueError that names it."""
     waiting_values: dict[str, np.ndarray] = {}
     waiting_scales: dict[str, np.ndarray] = {}
-    dropped = 0
+    dropped, kv_scales = 0, 0
     for name, array in tensors:
         if name.endswith(".input_scale"):
             dropped += 1
+            continue
+        if name.endswith(_KV_SCALE_SUFFIXES):
+            kv_scales += 1
             continue
         if name.endswith(fmt.scale_suffix):
             base = name.removesuffix(fmt.scale_suffix) + ".weight"
@@ -132,6 +138,11 @@ def dequantized_tensors(
         if what:
             raise ValueError(f"FP8 weight {name!r} has no {name.removesuffix('.weight')}{fmt.scale_suffix} beside it")
         raise ValueError(f"scale {name.removesuffix('.weight')}{fmt.scale_suffix} has no FP8 weight {name!r}")
+    if kv_scales:
+        logger.info(
+            "FP8 checkpoint: %d KV-cache scales (k_scale / v_scale) dropped: an FP8 KV cache uses a scale of 1",
+            kv_scales,
+        )
     if dropped:
         logger.info(
             "FP8 checkpoint: %d static activation scales (input_scale) dropped: activations are quantized "

@@ -65,6 +65,9 @@ def write_fp8_checkpoint(directory: Path, config: dict, state: dict[str, np.ndar
             values, scale = _quantize_channel(w, per_tensor=method == "ct_tensor")
             tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = values, scale
             tensors[name.removesuffix("weight") + "input_scale"] = np.ones(1, np.float32)
+            if name.endswith("k_proj.weight"):  # a kv_cache_scheme's calibrated scales, beside k_proj
+                tensors[name.removesuffix("k_proj.weight") + "k_scale"] = np.full((), 0.5, np.float32)
+                tensors[name.removesuffix("k_proj.weight") + "v_scale"] = np.full((), 0.25, np.float32)
             dequantized[name] = dequantize(values, scale, None)
     if method == "fp8":
         quant = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic"}
