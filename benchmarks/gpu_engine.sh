@@ -9,6 +9,10 @@
 #   bash benchmarks/gpu_engine.sh long        # 512 x 1000/1000, 256 x 2048/128, 512 x 128/2048
 #   bash benchmarks/gpu_engine.sh sliding     # 256 x 8192/256 (MODEL=gemma-3-12b), SLIDING=off: with
 #                                             # --no-sliding-window-kv (every layer keeps every token's KV)
+#   bash benchmarks/gpu_engine.sh moe         # qwen3-30b-a3b (MODEL=mixtral-8x7b etc.): the MoE layer's pieces
+#                                             # (moe_layer_profile.py), batch 1, 1024 x 128/128; moe_long: 512 x 1000/1000
+#   bash benchmarks/gpu_engine.sh fp8         # fp8_gemm.py, then batch 1 in bf16 and in FP8 weights + FP8 KV;
+#                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -76,6 +80,24 @@ case "${1:-}" in
     [ "${SLIDING:-on}" = off ] && W+=(--no-sliding-window-kv)
     bench_run t256_8192_256_sliding_${SLIDING:-on} 560 "${W[@]}"
     ;;
+  moe)  # MODEL=qwen3-30b-a3b by default: the MoE layer piece by piece, batch 1, then 1024 x 128/128
+    M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
+    (cd benchmarks && timeout 120 python3 moe_layer_profile.py --tokens 1 8 64 512 4096)
+    bench_run moe_b1 230 latency --random-weights $M --batch-size 1 --input-len 128 --output-len 128 --num-iters 3
+    bench_run moe_t1024 300 throughput --random-weights $M --num-requests 1024 --input-len 128 --output-len 128
+    ;;
+  moe_long)  # 512 x 1000/1000 of the MoE shape
+    M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
+    bench_run moe_t512_1000_1000 560 throughput --random-weights $M --num-requests 512 --input-len 1000 --output-len 1000 --max-seq-len 2176
+    ;;
+  fp8)  # the FP8 linear against bf16 at the 8B's shapes, then batch 1 in bf16 and FP8 (weights + KV), same start
+    (cd benchmarks && timeout 150 python3 fp8_gemm.py)
+    bench_run latency_b1_bf16 150 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3
+    bench_run latency_b1_fp8 150 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3 --quantization fp8 --kv-cache-dtype fp8
+    ;;
+  fp8_throughput)  # 1024 x 128/128 with FP8 weights and KV (the bf16 figure: `throughput` on the same start)
+    bench_run t1024_fp8 400 throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128 --quantization fp8 --kv-cache-dtype fp8
+    ;;
   admission)  # against `long` on the same machine start
     A=(throughput --random-weights llama-3.1-8b --max-seq-len 2176 --no-bucket-aware-admission)
     bench_run t512_1000_1000_uncapped 220 "${A[@]}" --num-requests 512 --input-len 1000 --output-len 1000
@@ -117,5 +139,5 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_long|fp8|fp8_throughput|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac

@@ -132,3 +132,28 @@ def test_unknown_quantization_is_named(tiny_model, make_llm):
         make_llm(tiny_model("llama"), compile_config=BUCKETS, quantization="int4")
     with pytest.raises(ValueError, match=r"kv cache dtype must be one of \('auto', 'fp8'\), got 'int8'"):
         make_llm(tiny_model("llama"), compile_config=BUCKETS, kv_cache_dtype="int8")
+
+
+def test_from_params_serves_in_fp8(tiny_model, char_tokenizer):
+    """A trainer's parameters in memory, quantized on their way in (`from_params` takes the LLM keywords)."""
+    from jaxserve import LLM
+
+    model = tiny_model("llama")
+    llm = LLM.from_params(
+        model.weights,
+        model.hf_config,
+        char_tokenizer(),
+        max_batch_size=4,
+        max_seq_len=80,
+        max_num_tokens=32,
+        compile_config=BUCKETS,
+        attention_backend="xla",
+        quantization="fp8",
+        show_progress=False,
+    )
+    assert isinstance(llm.engine.runner.weights.arrays.layers[0].w_down, quant.Fp8Weight)
+    prompts = _prompts(seed=6)[:3]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    want = generate_dense(model.family, model.config, model.weights, prompts, NEW_TOKENS, quantization="fp8")
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    llm.close()
