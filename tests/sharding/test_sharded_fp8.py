@@ -1,0 +1,60 @@
+"""FP8 weights and an FP8 KV cache under tensor parallelism: an engine on a tp=2 CPU mesh (each FP8 weight's values
+and its per-channel scales split with their output channels by the rules table, the FP8 pool split over kv heads)
+gives the single-device engine's greedy tokens, with preemption and prefix hits in the batch.
+
+jax fixes its device count when it starts, so the check runs in a fresh process with two host devices.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+CHECK = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import transformers
+    from jaxserve import LLM, CompileConfig, KvCacheConfig, SamplingParams
+    from jaxserve.bench import TokenIdTokenizer
+    from jaxserve.config import SchedulerConfig, CapacityPolicy
+    from jaxserve.models import quant, registry
+    from jaxserve.models.loader import LoadedModel
+
+    assert jax.device_count() == 2, jax.devices()
+    hf = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    hf.architectures = ["LlamaForCausalLM"]
+    family, cfg = registry.resolve(hf.to_dict())
+    model = LoadedModel(family, cfg, family.init_weights(cfg, jax.random.key(0), jnp.float32), hf.to_dict(), None, "t")
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 160, 40).tolist()
+    prompts = [prefix + rng.integers(0, 160, 9).tolist() for _ in range(3)]
+    prompts += [rng.integers(0, 160, int(n)).tolist() for n in (5, 50, 23)]
+    tokens, shards = {}, {}
+    for tp in (1, 2):
+        llm = LLM(model, tokenizer=TokenIdTokenizer(), tensor_parallel_size=tp, max_batch_size=4, max_seq_len=80,
+                  max_num_tokens=32, kv_cache_config=KvCacheConfig(max_tokens=96, dtype="fp8"),
+                  scheduler_config=SchedulerConfig(capacity_policy=CapacityPolicy.MAX_UTILIZATION),
+                  compile_config=CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
+                  attention_backend="xla", quantization="fp8", show_progress=False)
+        out = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        tokens[tp] = [o.outputs[0].token_ids for o in out]
+        wqkv = llm.engine.runner.weights.arrays.layers[0].wqkv
+        assert isinstance(wqkv, quant.Fp8Weight)
+        shards[tp] = [list(wqkv.values.sharding.shard_shape(wqkv.values.shape)),
+                      list(wqkv.scale.sharding.shard_shape(wqkv.scale.shape)),
+                      str(llm.engine.runner.kv_cache.k.dtype),
+                      sum(s.num_preempted for s in llm.step_stats)]
+        llm.close()
+    print(json.dumps({"tokens": tokens, "shards": shards}))
+    """
+)
+
+
+def test_fp8_engine_on_a_tp2_mesh_gives_one_devices_tokens(run_with_host_devices):
+    result = run_with_host_devices(CHECK, num_devices=2)
+    assert result["tokens"]["1"] == result["tokens"]["2"]
+    # wqkv [D, K, G+2, Dh] split over its 4 kv heads, its scale [K, G+2, Dh] with them; the pool in e4m3.
+    assert result["shards"]["2"][:3] == [[64, 2, 4, 8], [2, 4, 8], "float8_e4m3fn"]
+    assert result["shards"]["1"][:2] == [[64, 4, 4, 8], [4, 4, 8]]
+    assert result["shards"]["2"][3] > 0, "the pool was meant to force preemption"
