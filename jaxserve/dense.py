@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxserve.models.attention import DenseAttentionMetadata, DenseKVCache, init_dense_cache
+from jaxserve.models.quant import FP8_DTYPE
 from jaxserve.models.registry import ModelFamily
 
 
@@ -99,7 +100,7 @@ def generate_dense(
     step = partial(_step, family=family, cfg=cfg)
     lengths = np.array([len(p) for p in prompts], dtype=np.int32)
     batch = len(prompts)
-    cache_dtype = jnp.float8_e4m3fn if kv_cache_dtype == "fp8" else weights.embed.dtype
+    cache_dtype = FP8_DTYPE if kv_cache_dtype == "fp8" else weights.embed.dtype
     kv_cache = init_dense_cache(cfg, batch, int(lengths.max()) + max_new_tokens, cache_dtype)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
 

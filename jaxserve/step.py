@@ -35,6 +35,7 @@ from jaxserve.buckets import Bucket
 from jaxserve.kv_layout import KVLayout, kv_layout
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
 from jaxserve.models.attention import PagedAttentionMetadata, PagedKVCache
+from jaxserve.models.quant import FP8_DTYPE
 from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.sampler import sample_with_logits
 from jaxserve.sharding.rules import Rules, rules_table
@@ -112,7 +113,7 @@ class RunnerSpec:
     @property
     def cache_dtype(self) -> jnp.dtype:
         """The KV pool's element type: float8_e4m3fn for an FP8 cache, else the serving dtype."""
-        return jnp.dtype(jnp.float8_e4m3fn) if self.kv_cache_dtype == "fp8" else jnp.dtype(self.dtype)
+        return jnp.dtype(FP8_DTYPE) if self.kv_cache_dtype == "fp8" else jnp.dtype(self.dtype)
 
     @property
     def layout(self) -> KVLayout:

@@ -33,6 +33,7 @@ from jaxserve import kernels
 from jaxserve.kernels.add_rms_norm import MAX_DIM as NORM_MAX_DIM
 from jaxserve.kv_layout import KVLayout
 from jaxserve.models.common import ParamSpec, apply_rope, split_qkv
+from jaxserve.models.quant import FP8_DTYPE, FP8_MAX
 from jaxserve.sharding.mesh import MODEL_AXIS
 from jaxserve.sharding.rules import partition_spec
 
@@ -104,21 +105,17 @@ class PagedAttentionMetadata:
     kv_layout: KVLayout | None = None
 
 
-# An FP8 KV cache (`KvCacheConfig.dtype="fp8"`) stores K and V as float8_e4m3fn with a scale of 1: each value
-# rounded to e4m3 and clipped to its finite range (+-448; e4m3fn has no infinity, an overflow would be NaN), as
-# vLLM's fp8 KV cache does without calibrated scales. Reads convert back to the compute dtype.
-KV_FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
-_KV_FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
-
-
+# An FP8 KV cache (`KvCacheConfig.dtype="fp8"`) stores K and V as float8_e4m3fn (quant.FP8_DTYPE) with a scale
+# of 1: each value rounded to e4m3 and clipped to its finite range (+-448; e4m3fn has no infinity, an overflow
+# would be NaN), as vLLM's fp8 KV cache does without calibrated scales. Reads convert back to the compute dtype.
 def is_fp8_cache(kv_cache: Any) -> bool:
-    return kv_cache.k.dtype == KV_FP8_DTYPE
+    return kv_cache.k.dtype == FP8_DTYPE
 
 
 def to_cache(x: Array, dtype: Any) -> Array:
     """K or V rows in the cache's dtype: for an FP8 cache clipped to e4m3's range first."""
-    if jnp.dtype(dtype) == KV_FP8_DTYPE:
-        x = jnp.clip(x.astype(jnp.float32), -_KV_FP8_MAX, _KV_FP8_MAX)
+    if jnp.dtype(dtype) == FP8_DTYPE:
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
     return x.astype(dtype)
 
 

@@ -73,25 +73,25 @@ _SAFETENSORS_ITEM_BYTES = {
 }
 
 
-def read_fp8_safetensor(path: Path, name: str) -> np.ndarray:
+def read_fp8_safetensor(path: Path, name: str, header: dict, data_start: int) -> np.ndarray:
     """One float8 tensor (F8_E4M3 or F8_E5M2) of a safetensors file as an ml_dtypes array: safetensors' numpy
-    reader has no float8 types. The file's header was checked by `check_safetensors`."""
+    reader has no float8 types. header, data_start: what `check_safetensors` returned for the file."""
     import ml_dtypes
 
+    entry = header[name]
+    dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(entry["dtype"])
+    if dtype is None:
+        raise ModelFileError(path, f"tensor {name!r} is {entry['dtype']}, not a float8 type")
+    begin, end = entry["data_offsets"]
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        entry = json.loads(f.read(header_len).decode("utf-8"))[name]
-        dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(entry["dtype"])
-        if dtype is None:
-            raise ModelFileError(path, f"tensor {name!r} is {entry['dtype']}, not a float8 type")
-        begin, end = entry["data_offsets"]
-        f.seek(8 + header_len + begin)
+        f.seek(data_start + begin)
         data = f.read(end - begin)
     return np.frombuffer(data, dtype=np.uint8).view(dtype).reshape(entry["shape"])
 
 
-def check_safetensors(path: Path) -> None:
-    """Checks a safetensors file's header and that every tensor's bytes lie inside the file."""
+def check_safetensors(path: Path) -> tuple[dict, int]:
+    """Checks a safetensors file's header and that every tensor's bytes lie inside the file; returns the header
+    and the offset of the tensor data."""
     size = path.stat().st_size
     if size == 0:
         raise ModelFileError(path, "empty file (0 bytes), not a safetensors file")
@@ -117,6 +117,7 @@ def check_safetensors(path: Path) -> None:
     if not isinstance(header, dict):
         raise ModelFileError(path, f"not a safetensors file: its header is {json_type(header)}, not an object")
     _check_safetensors_ranges(path, header, size - 8 - header_len)
+    return header, 8 + header_len
 
 
 def _check_safetensors_ranges(path: Path, header: dict, data_size: int) -> None:

@@ -133,10 +133,11 @@ def dequantized_tensors(
                 waiting_values[name] = array
         else:
             yield name, array
-    if waiting_values or waiting_scales:
-        name, what = (next(iter(waiting_values)), "its scale") if waiting_values else (next(iter(waiting_scales)), "")
-        if what:
-            raise ValueError(f"FP8 weight {name!r} has no {name.removesuffix('.weight')}{fmt.scale_suffix} beside it")
+    if waiting_values:
+        name = next(iter(waiting_values))
+        raise ValueError(f"FP8 weight {name!r} has no {name.removesuffix('.weight')}{fmt.scale_suffix} beside it")
+    if waiting_scales:
+        name = next(iter(waiting_scales))
         raise ValueError(f"scale {name.removesuffix('.weight')}{fmt.scale_suffix} has no FP8 weight {name!r}")
     if kv_scales:
         logger.info(

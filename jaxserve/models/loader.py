@@ -199,10 +199,12 @@ class SafetensorsCheckpoint:
         from safetensors import safe_open
 
         for file in sorted(set(self.location.values())):
+            header = None  # read once, for a file with float8 tensors (an FP8 checkpoint's weights)
             with safe_open(file, framework="numpy") as f:
                 for name in f.keys():  # noqa: SIM118
-                    if f.get_slice(name).get_dtype().startswith("F8_"):  # an FP8 checkpoint's weights
-                        yield name, read_fp8_safetensor(file, name)
+                    if f.get_slice(name).get_dtype().startswith("F8_"):
+                        header = check_safetensors(file) if header is None else header
+                        yield name, read_fp8_safetensor(file, name, *header)
                     else:
                         yield name, f.get_tensor(name)
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -37,10 +36,6 @@ class Fp8Weight:
 
     values: Array
     scale: Float[Array, "..."]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
 
     @property
     def num_in_axes(self) -> int:
@@ -91,11 +86,6 @@ def quantized_spec(spec: Any, num_in_axes: int) -> Fp8Weight:
     as its output axes."""
     scale = dataclasses.replace(spec, shape=spec.shape[num_in_axes:], logical_axes=spec.logical_axes[num_in_axes:])
     return Fp8Weight(values=spec, scale=scale)
-
-
-def weight_bytes(tree) -> int:
-    """Bytes of a tree of arrays (plain and quantized weights alike)."""
-    return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def quantize_linears(layer: Any, convert: Callable[[Any, int], Any]) -> Any:

@@ -187,6 +187,13 @@ def test_lhs_rows_gather_the_rows_in_the_kernel(fused):
         kernel(lhs, rhs, sizes, lhs_rows=jnp.zeros((rows, 1), jnp.int32))
 
 
+def test_lhs_rows_into_an_empty_lhs_is_an_error():
+    with pytest.raises(ValueError, match="lhs_rows index 3 rows of an empty lhs"):
+        pk.grouped_matmul(
+            jnp.zeros((0, 16)), jnp.zeros((E, 16, 8)), jnp.zeros(E, jnp.int32), lhs_rows=jnp.zeros(3, jnp.int32)
+        )
+
+
 def test_default_tiling_follows_rows_per_expert():
     assert pk.grouped_matmul(jnp.zeros((0, 16)), jnp.zeros((E, 16, 8)), jnp.zeros(E, jnp.int32)).shape == (0, 8)
     assert moe.default_moe_tiling(64, 128).block_m == 16  # decode: 8 tokens x top-8

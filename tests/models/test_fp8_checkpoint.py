@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.models.files import ModelFileError
 from jaxserve.models.fp8_checkpoint import dequantize
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import SafetensorsCheckpoint, load_model
 
 TOKENS = [3, 17, 42, 99, 5, 150, 8, 64, 1, 120, 33]
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -171,16 +171,7 @@ def test_unknown_formats_are_named(tmp_path, tiny, quant, message):
 def test_missing_and_misshapen_scales_are_named(tmp_path, tiny):
     config, _, state = tiny
     write_fp8_checkpoint(tmp_path / "ok", config, state, "fp8")
-    from safetensors import safe_open
-
-    from jaxserve.models.files import read_fp8_safetensor
-
-    file = tmp_path / "ok" / "model.safetensors"
-    with safe_open(file, framework="numpy") as f:
-        names = list(f.keys())
-    tensors = {n: read_fp8_safetensor(file, n) if n.endswith("proj.weight") and _is_linear(n) else None for n in names}
-    with safe_open(file, framework="numpy") as f:
-        tensors = {n: t if t is not None else f.get_tensor(n) for n, t in tensors.items()}
+    tensors = dict(SafetensorsCheckpoint(tmp_path / "ok").tensors())  # the file's tensors, FP8 values as stored
     quant = json.loads((tmp_path / "ok" / "config.json").read_text())["quantization_config"]
     missing = dict(tensors)
     del missing["model.layers.0.mlp.up_proj.weight_scale_inv"]
@@ -194,3 +185,11 @@ def test_missing_and_misshapen_scales_are_named(tmp_path, tiny):
         ValueError, match=r"o_proj.weight: a \[64, 64\] weight with 16 x 32 blocks needs a \[4, 2\] scale"
     ):
         load_model(path, dtype="float32")
+
+
+def test_a_scale_without_its_fp8_weight_is_named():
+    from jaxserve.models.fp8_checkpoint import Fp8CheckpointFormat, dequantized_tensors
+
+    stream = iter([("model.layers.0.mlp.up_proj.weight_scale_inv", np.ones((1, 1), np.float32))])
+    with pytest.raises(ValueError, match=r"scale model.layers.0.mlp.up_proj.weight_scale_inv has no FP8 weight"):
+        list(dequantized_tensors(stream, Fp8CheckpointFormat("fp8", (16, 32))))

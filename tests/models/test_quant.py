@@ -163,3 +163,13 @@ def test_each_family_quantizes_its_linear_weights_and_stays_close(name):
     got = _logits(family, cfg, fp8, tokens)
     rel_rms = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
     assert rel_rms <= 0.15, rel_rms
+
+
+def test_fp8_kv_values_clip_to_e4m3_range():
+    """An FP8 KV cache's writes saturate at +-448 (e4m3fn has no infinity: a plain cast would give NaN)."""
+    from jaxserve.models.attention import to_cache
+
+    x = jnp.asarray([1000.0, -1e4, 3.0, 0.1], jnp.bfloat16)
+    assert np.isnan(np.asarray(x.astype(quant.FP8_DTYPE), np.float32)[0])  # what the clip prevents
+    np.testing.assert_array_equal(np.asarray(to_cache(x, quant.FP8_DTYPE), np.float32), [448.0, -448.0, 3.0, 0.1015625])
+    np.testing.assert_array_equal(to_cache(x, jnp.bfloat16), x)  # other caches: a plain cast
