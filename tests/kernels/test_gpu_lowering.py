@@ -21,15 +21,18 @@ from jaxserve import kernels as pk
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
 
 
-def lowered_triton_ir(dtype, capsys, monkeypatch, *, decode: bool, head_dim: int = 64, **options) -> str:
-    """The Triton IR of one ragged_paged_attention call lowered for CUDA (pallas_call debug prints it)."""
+def lowered_triton_ir(
+    dtype, capsys, monkeypatch, *, decode: bool, head_dim: int = 64, cache_dtype=None, **options
+) -> str:
+    """The Triton IR of one ragged_paged_attention call lowered for CUDA (pallas_call debug prints it); the KV pool
+    in `cache_dtype` (default: q's)."""
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     heads, kv_heads, blocks, block_size = 4, 2, 16, 16
     cu_q_lens = [0, 1, 2] if decode else [0, 5, 8]
     args = (
         jnp.zeros((cu_q_lens[-1], heads, head_dim), dtype),
-        jnp.zeros((blocks, block_size, kv_heads, head_dim), dtype),
-        jnp.zeros((blocks, block_size, kv_heads, head_dim), dtype),
+        jnp.zeros((blocks, block_size, kv_heads, head_dim), cache_dtype or dtype),
+        jnp.zeros((blocks, block_size, kv_heads, head_dim), cache_dtype or dtype),
         jnp.zeros((2, 4), jnp.int32),
         jnp.array([5, 3], jnp.int32),
         jnp.array(cu_q_lens, jnp.int32),
@@ -49,6 +52,16 @@ def test_dots_do_not_use_tf32(dtype, decode, capsys, monkeypatch):
     ir = lowered_triton_ir(dtype, capsys, monkeypatch, decode=decode)
     assert ir.count("tt.dot") >= 2, "the Triton IR was not captured"
     assert re.findall(r"inputPrecision = (\w+)", ir) == []  # IEEE is the default and not printed
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+def test_an_fp8_pool_is_converted_to_bf16_before_the_dots(decode, capsys, monkeypatch):
+    """An FP8 KV cache on the GPU: K and V load as e4m3, convert to q's bf16 in registers, and every dot takes
+    bf16 operands."""
+    ir = lowered_triton_ir(jnp.bfloat16, capsys, monkeypatch, decode=decode, cache_dtype=jnp.float8_e4m3fn)
+    assert "tt.fp_to_fp" in ir and "f8E4M3FN" in ir
+    dots = re.findall(r"tt.dot (.*)", ir)
+    assert len(dots) >= 2 and all("f8E4M3FN" not in dot for dot in dots), dots
 
 
 def _functions(ir: str) -> dict[str, str]:
