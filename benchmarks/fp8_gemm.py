@@ -14,6 +14,7 @@ bound by the weight bytes, so FP8's floor is half of bf16's.
 from __future__ import annotations
 
 import argparse
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,58 @@ def main() -> int:
                 f"{t_fp8 / t_bf16:.2f} | {floor_bf16 * 1e6:.1f} | {floor_fp8 * 1e6:.1f} | {err:.1e} |"
             )
     print("fp8 floor: half the weight bytes, and flops at twice the bf16 rate (Hopper's FP8 tensor cores)")
+    layouts(key, args.rows)
     return 0
+
+
+def lowering(fn, *args) -> str:
+    """What XLA made of fn: 'cublasLt fp8' when the optimized HLO calls cuBLASLt's FP8 GEMM, else the GEMM it
+    calls; with the number of transposes and copies around it (a weight transposed per call reads it twice)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    gemm = (
+        "cublasLt fp8"
+        if "$f8" in text
+        else (
+            "cublasLt"
+            if "cublas$lt" in text
+            else ("cublas" if "cublas" in text else ("triton" if "triton" in text else "other"))
+        )
+    )
+    moves = len(re.findall(r"= \S+ (?:transpose|copy)\(", text))
+    return f"{gemm}, {moves} transpose/copy"
+
+
+def layouts(key, rows_list: list[int]) -> None:
+    """The FP8 product as one 2-D GEMM with the weight stored [K, N] (the serving layout's order) or [N, K]
+    (cuBLASLt's FP8 GEMM wants the second operand K-major), per-token activation scales either way."""
+    print("\n| weight layout | K x N | rows | fp8 µs | bf16 µs | fp8 / bf16 | lowering |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for k_dim, n_dim in [(4096, 28672), (14336, 4096)]:
+        w = jax.random.normal(key, (k_dim, n_dim), jnp.float32) / np.sqrt(k_dim)
+        w_kn, w_bf16 = quant.quantize(w, 1), w.astype(jnp.bfloat16)
+        w_nk = quant.Fp8Weight(values=w_kn.values.T.copy(), scale=w_kn.scale)
+        del w
+
+        def kn(x, w):
+            xq, xs = quant.quantize_rows(x, 1)
+            out = jax.lax.dot_general(xq, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            return (out * xs[:, None] * w.scale).astype(x.dtype)
+
+        def nk(x, w):
+            xq, xs = quant.quantize_rows(x, 1)
+            out = jax.lax.dot_general(xq, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            return (out * xs[:, None] * w.scale).astype(x.dtype)
+
+        for rows in rows_list:
+            x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k_dim), jnp.float32).astype(jnp.bfloat16)
+            reps = 20 if rows <= 1024 else 5
+            t_bf16 = time_calls(lambda x, w: x @ w, [(x, w_bf16)], reps)
+            for name, fn, w8 in [("[K, N]", kn, w_kn), ("[N, K]", nk, w_nk)]:
+                t = time_calls(fn, [(x, w8)], reps)
+                print(
+                    f"| {name} | {k_dim} x {n_dim} | {rows} | {t * 1e6:.1f} | {t_bf16 * 1e6:.1f} | "
+                    f"{t / t_bf16:.2f} | {lowering(fn, x, w8)} |"
+                )
 
 
 if __name__ == "__main__":
