@@ -3,11 +3,17 @@
 
 A weight of the serving layout is [*in, *out] (its einsum contracts the leading `in` axes with the input's
 trailing ones: wqkv [D, K, G+2, Dh] contracts D, wo [H, Dh, D] contracts H and Dh). Quantized, it becomes an
-`Fp8Weight`: values = round(w / scale) in e4m3 and scale[*out] = max |w| over the `in` axes / 448 (e4m3's
-largest finite value), so each output channel uses the format's whole range. The product quantizes the input
-the same way per token (dynamic: each row's max |x| over the contracted axes), multiplies in FP8 with float32
-accumulation (cuBLASLt's FP8 GEMM on Hopper; an emulated product elsewhere), and scales the float32 result by
-both scales:  y[t, o] = (sum_i xq[t, i] wq[i, o]) * x_scale[t] * w_scale[o].
+`Fp8Weight`: values = round(w / scale) in e4m3, stored output-major as [*out, *in] (each output channel's inputs
+contiguous: the K-major operand cuBLASLt's FP8 GEMM reads without a transpose), and
+scale[*out] = max |w| over the `in` axes / 448 (e4m3's largest finite value), so each output channel uses the
+format's whole range.
+
+The product (`linear`) quantizes the input the same way per token (dynamic: each row's max |x| over the
+contracted axes), multiplies in FP8 with float32 accumulation and scales the float32 result by both scales:
+y[t, o] = (sum_i xq[t, i] wq[o, i]) * x_scale[t] * w_scale[o]. On Hopper XLA runs it as cuBLASLt's FP8 GEMM
+(or, for a few rows, its own Triton GEMM of the FP8 operands), reading the weight's FP8 bytes once; stored
+[*in, *out] instead, the weight was transposed on every call and the product ran slower than bf16's
+(docs/performance.md, "FP8"). Elsewhere XLA emulates the FP8 product.
 
 Legend beyond docs' (STYLE.md): *in / *out the contracted and kept axes of a weight.
 """
@@ -31,8 +37,8 @@ _MIN_SCALE = 1e-12  # an all-zero channel or row keeps a finite scale (its value
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
 class Fp8Weight:
-    """A linear weight in FP8: values [*in, *out] in float8_e4m3fn, scale [*out] in float32 (per output
-    channel); the weight is values * scale."""
+    """A linear weight in FP8: values [*out, *in] in float8_e4m3fn (output-major), scale [*out] in float32 (per
+    output channel); the [*in, *out] weight is moveaxis(values, out axes to the back) * scale."""
 
     values: Array
     scale: Float[Array, "..."]
@@ -42,8 +48,19 @@ class Fp8Weight:
         return self.values.ndim - self.scale.ndim
 
     def dequantize(self, dtype=jnp.float32) -> Array:
-        """values * scale in `dtype` (the float32 reference the tests compare against)."""
-        return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+        """The [*in, *out] weight, values * scale, in `dtype` (the float32 reference the tests compare against)."""
+        return (serving_order(self.values, self.num_in_axes).astype(jnp.float32) * self.scale).astype(dtype)
+
+
+def stored_order(w: Array, num_in_axes: int) -> Array:
+    """A [*in, *out] array as [*out, *in] (how `Fp8Weight.values` lies)."""
+    return jnp.moveaxis(w, tuple(range(num_in_axes)), tuple(range(w.ndim - num_in_axes, w.ndim)))
+
+
+def serving_order(values: Array, num_in_axes: int) -> Array:
+    """`stored_order`'s inverse: [*out, *in] as [*in, *out]."""
+    n = values.ndim
+    return jnp.moveaxis(values, tuple(range(n - num_in_axes, n)), tuple(range(num_in_axes)))
 
 
 def quantize(w: Array, num_in_axes: int) -> Fp8Weight:
@@ -54,7 +71,7 @@ def quantize(w: Array, num_in_axes: int) -> Fp8Weight:
     w = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w), axis=tuple(range(num_in_axes)))
     scale = jnp.maximum(amax / FP8_MAX, _MIN_SCALE)
-    return Fp8Weight(values=(w / scale).astype(FP8_DTYPE), scale=scale)
+    return Fp8Weight(values=stored_order((w / scale).astype(FP8_DTYPE), num_in_axes), scale=scale)
 
 
 def quantize_rows(x: Array, num_in_axes: int) -> tuple[Array, Float[Array, "..."]]:
@@ -70,22 +87,34 @@ def quantize_rows(x: Array, num_in_axes: int) -> tuple[Array, Float[Array, "..."
 def linear(spec: str, x: Array, w: Array | Fp8Weight) -> Array:
     """jnp.einsum(spec, x, w) in x's dtype, for a plain weight or an `Fp8Weight` (then the FP8 product above).
     `spec` contracts w's leading axes with x's trailing ones and keeps x's leading axes first, then w's
-    trailing ones, e.g. "td,dkge->tkge" or "the,hed->td"."""
+    trailing ones, e.g. "td,dkge->tkge" or "the,hed->td". An `Fp8Weight` is contracted on its stored values'
+    trailing axes in order (dot_general with no transpose of either operand: XLA hands both to the GEMM as
+    they lie)."""
     if not isinstance(w, Fp8Weight):
         return jnp.einsum(spec, x, w)
     num_in = w.num_in_axes
-    xq, x_scale = quantize_rows(x, num_in)
-    out = jnp.einsum(spec, xq, w.values, preferred_element_type=jnp.float32)
     rows = x.ndim - num_in
-    x_scale = x_scale.reshape(x_scale.shape + (1,) * (out.ndim - rows))
+    x_in = tuple(range(rows, x.ndim))
+    w_in = tuple(range(w.values.ndim - num_in, w.values.ndim))
+    if x.shape[rows:] != w.values.shape[w.scale.ndim :]:
+        raise ValueError(
+            f"{spec}: input {x.shape} does not end in the weight's input axes {w.values.shape[w.scale.ndim :]}"
+        )
+    xq, x_scale = quantize_rows(x, num_in)
+    out = jax.lax.dot_general(xq, w.values, ((x_in, w_in), ((), ())), preferred_element_type=jnp.float32)
+    x_scale = x_scale.reshape(x_scale.shape + (1,) * w.scale.ndim)
     return (out * x_scale * w.scale).astype(x.dtype)
 
 
 def quantized_spec(spec: Any, num_in_axes: int) -> Fp8Weight:
-    """The ParamSpec pair of a quantized weight (`models.common.ParamSpec`): the values as the weight, the scale
-    as its output axes."""
-    scale = dataclasses.replace(spec, shape=spec.shape[num_in_axes:], logical_axes=spec.logical_axes[num_in_axes:])
-    return Fp8Weight(values=spec, scale=scale)
+    """The ParamSpec pair of a quantized weight (`models.common.ParamSpec`): the values as the weight's axes in
+    stored order ([*out, *in]), the scale as its output axes."""
+    n = num_in_axes
+    values = dataclasses.replace(
+        spec, shape=spec.shape[n:] + spec.shape[:n], logical_axes=spec.logical_axes[n:] + spec.logical_axes[:n]
+    )
+    scale = dataclasses.replace(spec, shape=spec.shape[n:], logical_axes=spec.logical_axes[n:])
+    return Fp8Weight(values=values, scale=scale)
 
 
 def quantize_linears(layer: Any, convert: Callable[[Any, int], Any]) -> Any:

@@ -35,8 +35,11 @@ def test_quantize_keeps_each_output_channel_to_e4m3_precision(spec, w_shape, x_s
     num_in = len(_contracted(spec))
     w = _weight(np.random.default_rng(0), w_shape, num_in)
     q = quant.quantize(jnp.asarray(w), num_in)
-    assert q.values.dtype == jnp.float8_e4m3fn and q.values.shape == w_shape
+    # Stored output-major ([*out, *in]: each channel's inputs contiguous, cuBLASLt's FP8 operand layout).
+    assert q.values.dtype == jnp.float8_e4m3fn and q.values.shape == w_shape[num_in:] + w_shape[:num_in]
     assert q.scale.dtype == jnp.float32 and q.scale.shape == w_shape[num_in:]
+    stored = np.asarray(quant.serving_order(q.values, num_in), np.float32)
+    np.testing.assert_array_equal(stored * np.asarray(q.scale), q.dequantize())
     np.testing.assert_allclose(q.scale, np.abs(w).max(axis=tuple(range(num_in))) / 448, rtol=1e-6)
     # Each element to within half an e4m3 step of its channel's range: 2^-4 of itself, or 2^-10 of the
     # channel's max where it is subnormal.
@@ -71,6 +74,22 @@ def test_fp8_product_equals_the_float32_product_of_its_dequantized_operands(spec
     assert np.abs(np.asarray(out, np.float64) - exact).max() <= 0.1 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("spec, w_shape, x_shape", PRODUCTS, ids=["qkv", "o", "gate_up", "down"])
+def test_fp8_product_contracts_the_stored_weight_as_it_lies(spec, w_shape, x_shape):
+    """One dot_general of the e4m3 operands, each contracted on its trailing axes in order and neither transposed:
+    the layout cuBLASLt's FP8 GEMM reads directly. (A weight stored [*in, *out], or contracted out of order, is
+    transposed by XLA on every call: on an H100 that made the FP8 product slower than bf16's, docs/performance.md.)"""
+    num_in = len(_contracted(spec))
+    w = quant.quantize(jnp.ones(w_shape), num_in)
+    x = jnp.ones(x_shape, jnp.bfloat16)
+    text = jax.jit(lambda x, w: quant.linear(spec, x, w)).lower(x, w).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 1 and "transpose" not in text
+    x_in = list(range(len(x_shape) - num_in, len(x_shape)))
+    w_in = list(range(len(w_shape) - num_in, len(w_shape)))
+    assert f"contracting_dims = {x_in} x {w_in}" in dots[0] and dots[0].count("f8E4M3FN") == 2, dots[0]
+
+
 def test_rows_are_quantized_each_by_its_own_scale():
     x = jnp.asarray([[1.0, -2.0, 0.5], [1e-3, 2e-3, -4e-3], [0.0, 0.0, 0.0]], jnp.float32)
     values, scale = quant.quantize_rows(x, 1)
@@ -87,7 +106,11 @@ def test_plain_weights_take_the_einsum():
 def test_quantized_spec_scales_over_the_output_axes():
     spec = ParamSpec((64, 2, 6, 16), ("embed", "kv_heads", None, "head_dim"))
     q = quant.quantized_spec(spec, 1)
-    assert q.values == spec and q.scale == ParamSpec((2, 6, 16), ("kv_heads", None, "head_dim"))
+    assert q.values == ParamSpec((2, 6, 16, 64), ("kv_heads", None, "head_dim", "embed"))  # stored [*out, *in]
+    assert q.scale == ParamSpec((2, 6, 16), ("kv_heads", None, "head_dim"))
+    wo = quant.quantized_spec(ParamSpec((4, 16, 64), ("heads", "head_dim", "embed")), 2)
+    assert wo.values == ParamSpec((64, 4, 16), ("embed", "heads", "head_dim"))
+    assert wo.scale == ParamSpec((64,), ("embed",))
     with pytest.raises(ValueError, match="num_in_axes must be in"):
         quant.quantize(jnp.ones((4, 4)), 2)
 

@@ -54,7 +54,8 @@ CHECK = textwrap.dedent(
 def test_fp8_engine_on_a_tp2_mesh_gives_one_devices_tokens(run_with_host_devices):
     result = run_with_host_devices(CHECK, num_devices=2)
     assert result["tokens"]["1"] == result["tokens"]["2"]
-    # wqkv [D, K, G+2, Dh] split over its 4 kv heads, its scale [K, G+2, Dh] with them; the pool in e4m3.
-    assert result["shards"]["2"][:3] == [[64, 2, 4, 8], [2, 4, 8], "float8_e4m3fn"]
-    assert result["shards"]["1"][:2] == [[64, 4, 4, 8], [4, 4, 8]]
+    # wqkv's values (stored [K, G+2, Dh, D]) split over its 4 kv heads, its scale [K, G+2, Dh] with them; the
+    # pool in e4m3.
+    assert result["shards"]["2"][:3] == [[2, 4, 8, 64], [2, 4, 8], "float8_e4m3fn"]
+    assert result["shards"]["1"][:2] == [[4, 4, 8, 64], [4, 4, 8]]
     assert result["shards"]["2"][3] > 0, "the pool was meant to force preemption"
