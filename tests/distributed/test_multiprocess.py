@@ -140,8 +140,10 @@ class _Process:
             if line is not None:
                 self.seen.append(line)
 
-    def report(self, timeout: float = 120) -> dict:
-        """The JSON line the check script printed last, once it has exited with status 0."""
+    def report(self, timeout: float = 300) -> dict:
+        """The JSON line the check script printed last, once it has exited with status 0. The timeout guards
+        against a hang: two processes that each start jax and compile an engine took over 120 s on a loaded
+        2-core CI machine, so it is well above that."""
         status = self.wait(timeout)
         out = self.text()
         assert status == 0, out[-4000:]
