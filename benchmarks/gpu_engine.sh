@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_engine.sh sliding     # 256 x 8192/256 (MODEL=gemma-3-12b), SLIDING=off: with
 #                                             # --no-sliding-window-kv (every layer keeps every token's KV)
 #   bash benchmarks/gpu_engine.sh moe         # qwen3-30b-a3b (MODEL=mixtral-8x7b etc.): the MoE layer's pieces
-#                                             # (moe_layer_profile.py), batch 1, 1024 x 128/128; moe_long: 512 x 1000/1000
+#                                             # (moe_layer_profile.py), batch 1, 1024 x 128/128; moe_long: 512 x 1000/1000;
+#                                             # moe_fp8: batch 1 and 1024 x 128/128 in FP8 (experts too) + FP8 KV
 #   bash benchmarks/gpu_engine.sh fp8         # fp8_gemm.py, then batch 1 in bf16 and in FP8 weights + FP8 KV;
 #                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
@@ -86,6 +87,12 @@ case "${1:-}" in
     bench_run moe_b1 230 latency --random-weights $M --batch-size 1 --input-len 128 --output-len 128 --num-iters 3
     bench_run moe_t1024 300 throughput --random-weights $M --num-requests 1024 --input-len 128 --output-len 128
     ;;
+  moe_fp8)  # the MoE shape with FP8 weights (linears and expert stacks: ~31 GB for qwen3-30b-a3b) and FP8 KV
+    M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
+    F=(--quantization fp8 --kv-cache-dtype fp8)
+    bench_run moe_b1_fp8 230 latency --random-weights $M --batch-size 1 --input-len 128 --output-len 128 --num-iters 3 "${F[@]}"
+    bench_run moe_t1024_fp8 300 throughput --random-weights $M --num-requests 1024 --input-len 128 --output-len 128 "${F[@]}"
+    ;;
   moe_long)  # 512 x 1000/1000 of the MoE shape
     M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
     bench_run moe_t512_1000_1000 560 throughput --random-weights $M --num-requests 512 --input-len 1000 --output-len 1000 --max-seq-len 2176
@@ -139,5 +146,5 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_long|fp8|fp8_throughput|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac

@@ -237,8 +237,9 @@ class EngineConfig:
         A dense model has no experts: True is ignored there with a warning, as vLLM ignores it.
     quantization: None (weights in `dtype`) or "fp8": every linear layer's weight in float8_e4m3fn with a scale
         per output channel, quantized as it is placed, and activations quantized per token
-        (`jaxserve/models/quant.py`); embeddings, lm_head, norms and a mixture of experts' expert stacks stay
-        in `dtype`.
+        (`jaxserve/models/quant.py`), and a mixture of experts' expert stacks in float8_e4m3fn with a scale per
+        expert and output channel (the grouped GEMMs read them as FP8 bytes, the rows unquantized); embeddings,
+        lm_head and norms stay in `dtype`.
     """
 
     max_batch_size: int

@@ -45,21 +45,46 @@ _MAX_ELEMENTS = 1 << 31
 # References
 
 
+def dequantized(rhs: Array, rhs_scale: Array | None) -> Array:
+    """An FP8 expert stack [E, Din, *out] as float32 values * rhs_scale[E, *out] (rhs itself without a scale)."""
+    return rhs if rhs_scale is None else rhs.astype(jnp.float32) * jnp.expand_dims(rhs_scale, 1)
+
+
 def grouped_matmul_reference(
-    lhs: Float[Array, "R Din"], rhs: Float[Array, "E Din Dout"], group_sizes: Int[Array, " E"]
+    lhs: Float[Array, "R Din"],
+    rhs: Float[Array, "E Din Dout"],
+    group_sizes: Int[Array, " E"],
+    rhs_scale: Float[Array, "E Dout"] | None = None,
 ) -> Float[Array, "R Dout"]:
-    """`jax.lax.ragged_dot` (float32 operands at IEEE precision, as the kernel's dots)."""
-    return lax.ragged_dot(lhs, rhs, group_sizes, precision=lax.Precision.HIGHEST)
+    """`jax.lax.ragged_dot` (float32 operands at IEEE precision, as the kernel's dots); an FP8 rhs with its
+    rhs_scale dequantized to float32 first, the product in float32 cast to lhs's dtype."""
+    if rhs_scale is None:
+        return lax.ragged_dot(lhs, rhs, group_sizes, precision=lax.Precision.HIGHEST)
+    out = lax.ragged_dot(
+        lhs.astype(jnp.float32), dequantized(rhs, rhs_scale), group_sizes, precision=lax.Precision.HIGHEST
+    )
+    return out.astype(lhs.dtype)
 
 
 def grouped_gate_up_reference(
-    lhs: Float[Array, "R D"], rhs: Float[Array, "E D 2 F"], group_sizes: Int[Array, " E"]
+    lhs: Float[Array, "R D"],
+    rhs: Float[Array, "E D 2 F"],
+    group_sizes: Int[Array, " E"],
+    rhs_scale: Float[Array, "E 2 F"] | None = None,
 ) -> Float[Array, "R F"]:
     """silu(gate) * up in float32, cast to lhs's dtype, from one ragged_dot over rhs flattened to [E, D, 2F]
-    (gate = rhs[:, :, 0], up = rhs[:, :, 1])."""
+    (gate = rhs[:, :, 0], up = rhs[:, :, 1]); an FP8 rhs with its rhs_scale dequantized to float32 first."""
     e, d, _, f = rhs.shape
+    if rhs_scale is not None:
+        lhs_f32, rhs = lhs.astype(jnp.float32), dequantized(rhs, rhs_scale)
+    else:
+        lhs_f32 = lhs
     both = lax.ragged_dot(
-        lhs, rhs.reshape(e, d, 2 * f), group_sizes, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        lhs_f32,
+        rhs.reshape(e, d, 2 * f),
+        group_sizes,
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
     )
     return (jax.nn.silu(both[:, :f]) * both[:, f:]).astype(lhs.dtype)
 
@@ -175,6 +200,7 @@ class GemmParams:
     tiling: MoeTiling
     offset: bool = False  # a leading run of zero rows (row_offset): one more group
     gather: bool = False  # lhs_rows: row r reads lhs row lhs_rows[r]
+    scaled: bool = False  # rhs in float8_e4m3fn with a float32 scale per expert and output column
 
     @property
     def slots(self) -> int:
@@ -204,9 +230,10 @@ def _dims_mask(idx: jax.Array, size: int, block: int) -> jax.Array | None:
     return None if size % block == 0 else idx < size
 
 
-def _expert_product(lhs_ref, rhs_ref, expert, rows, row_ok, cols, p: GemmParams) -> jax.Array:
+def _expert_product(lhs_ref, rhs_ref, scale_ref, expert, rows, row_ok, cols, p: GemmParams) -> jax.Array:
     """The float32 product of a row tile (lhs rows `rows`) by its expert's columns (silu(gate) * up when fused):
-    [bm, bn]."""
+    [bm, bn]. An FP8 rhs (p.scaled): each tile converted to lhs's dtype after its load, the float32 sums scaled
+    by the expert's column scales (scale_ref) before the epilogue."""
     t = p.tiling
     col_ok = _dims_mask(cols, p.dim_out, t.block_n)
     w_cols = cols[None, :]
@@ -222,19 +249,37 @@ def _expert_product(lhs_ref, rhs_ref, expert, rows, row_ok, cols, p: GemmParams)
         a = plgpu.load(lhs_ref.at[rows[:, None], k[None, :]], mask=a_mask, other=0.0)
         w_mask = col_mask if k_ok is None else and_mask(k_ok[:, None], col_mask)
         other = None if w_mask is None else 0.0
+
+        def load_w(idx):
+            w = plgpu.load(rhs_ref.at[idx], mask=w_mask, other=other)
+            return w.astype(a.dtype) if p.scaled else w
+
         if not p.fused:
-            return acc + dot(a, plgpu.load(rhs_ref.at[expert, k[:, None], w_cols], mask=w_mask, other=other))
-        gate = plgpu.load(rhs_ref.at[expert, k[:, None], 0, w_cols], mask=w_mask, other=other)
-        up = plgpu.load(rhs_ref.at[expert, k[:, None], 1, w_cols], mask=w_mask, other=other)
+            return acc + dot(a, load_w((expert, k[:, None], w_cols)))
+        gate, up = load_w((expert, k[:, None], 0, w_cols)), load_w((expert, k[:, None], 1, w_cols))
         return acc[0] + dot(a, gate), acc[1] + dot(a, up)
 
     zeros = jnp.zeros((t.block_m, t.block_n), jnp.float32)
     acc = lax.fori_loop(0, p.k_tiles, step, (zeros, zeros) if p.fused else zeros)
+    if p.scaled:
+        other = None if col_ok is None else 0.0
+
+        def load_scale(idx):
+            return plgpu.load(scale_ref.at[idx], mask=col_ok, other=other)[None, :]
+
+        if p.fused:
+            acc = acc[0] * load_scale((expert, 0, cols)), acc[1] * load_scale((expert, 1, cols))
+        else:
+            acc = acc * load_scale((expert, cols))
     return jax.nn.silu(acc[0]) * acc[1] if p.fused else acc
 
 
 def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, *refs, p: GemmParams):
-    lhs_rows_ref, lhs_ref, rhs_ref, out_ref = refs if p.gather else (None, *refs)
+    refs = list(refs)
+    lhs_rows_ref = refs.pop(0) if p.gather else None
+    lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
+    scale_ref = refs.pop(0) if p.scaled else None
+    (out_ref,) = refs
     slot, n_tile = _program_tile(p)
     t = p.tiling
 
@@ -251,7 +296,7 @@ def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, *refs, p: GemmPara
         @pl.when(expert < p.num_experts)
         def _():
             lhs_rows = rows if lhs_rows_ref is None else plgpu.load(lhs_rows_ref.at[rows], mask=row_ok, other=0)
-            out = _expert_product(lhs_ref, rhs_ref, expert, lhs_rows, row_ok, cols, p)
+            out = _expert_product(lhs_ref, rhs_ref, scale_ref, expert, lhs_rows, row_ok, cols, p)
             plgpu.store(out_ref.at[out_idx], out.astype(out_ref.dtype), mask=out_mask)
 
         @pl.when(expert == p.num_experts)  # padding rows: zeros, nothing read
@@ -260,10 +305,14 @@ def _grouped_kernel(group_ref, start_ref, end_ref, count_ref, *refs, p: GemmPara
 
 
 @functools.partial(jax.jit, static_argnames=("fused", "tiling", "interpret"))
-def _grouped(lhs, rhs, group_sizes, row_offset, lhs_rows, *, fused: bool, tiling: MoeTiling, interpret: bool):
+def _grouped(
+    lhs, rhs, group_sizes, row_offset, lhs_rows, rhs_scale, *, fused: bool, tiling: MoeTiling, interpret: bool
+):
     num_rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
-    gather = lhs_rows is not None
-    p = GemmParams(num_rows, lhs.shape[1], rhs.shape[-1], rhs.shape[0], fused, tiling, row_offset is not None, gather)
+    gather, scaled = lhs_rows is not None, rhs_scale is not None
+    p = GemmParams(
+        num_rows, lhs.shape[1], rhs.shape[-1], rhs.shape[0], fused, tiling, row_offset is not None, gather, scaled
+    )
     table = tile_table(group_sizes, num_rows, tiling.block_m, row_offset)
     return pl.pallas_call(
         functools.partial(_grouped_kernel, p=p),
@@ -272,16 +321,17 @@ def _grouped(lhs, rhs, group_sizes, row_offset, lhs_rows, *, fused: bool, tiling
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="moe_gate_up" if fused else "moe_matmul",
-    )(*table, *((lhs_rows,) if gather else ()), lhs, rhs)
+    )(*table, *((lhs_rows,) if gather else ()), lhs, rhs, *((rhs_scale,) if scaled else ()))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Entry points
 
 
-def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool, lhs_rows=None) -> None:
+def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool, lhs_rows=None, rhs_scale=None) -> None:
     """lhs [R, Din] ([T, Din] with lhs_rows: int32 [R] indices into it); rhs [E, Din, Dout] (fused:
-    [E, D, 2, F]) in lhs's float dtype; group_sizes int32 [E]."""
+    [E, D, 2, F]) in lhs's float dtype, or in float8_e4m3fn with rhs_scale float32 [E, Dout] ([E, 2, F]);
+    group_sizes int32 [E]."""
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be [R, Din], got shape {lhs.shape}")
     want = "[E, D, 2, F]" if fused else "[E, Din, Dout]"
@@ -295,8 +345,16 @@ def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool, lhs_rows=None) -
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
     if jnp.dtype(lhs.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"lhs dtype must be one of float32, bfloat16, float16, got {lhs.dtype}")
-    if rhs.dtype != lhs.dtype:
-        raise TypeError(f"rhs ({rhs.dtype}) must have lhs's dtype ({lhs.dtype})")
+    if rhs_scale is None and rhs.dtype != lhs.dtype:
+        raise TypeError(f"rhs ({rhs.dtype}) must have lhs's dtype ({lhs.dtype}), or be float8_e4m3fn with rhs_scale")
+    if rhs_scale is not None:
+        if rhs.dtype != jnp.float8_e4m3fn or rhs_scale.dtype != jnp.float32:
+            got = f"{rhs.dtype} and {rhs_scale.dtype}"
+            raise TypeError(f"with rhs_scale, rhs must be float8_e4m3fn and rhs_scale float32, got {got}")
+        want_scale = rhs.shape[:1] + rhs.shape[2:]
+        if rhs_scale.shape != want_scale:
+            got = list(rhs_scale.shape)
+            raise ValueError(f"rhs_scale must be rhs's shape without Din, {list(want_scale)}, got {got}")
     if lhs_rows is not None and (lhs_rows.ndim != 1 or jnp.dtype(lhs_rows.dtype) != jnp.int32):
         raise TypeError(f"lhs_rows must be int32 [R], got {lhs_rows.dtype}{list(lhs_rows.shape)}")
     out_shape = (lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0], rhs.shape[-1])
@@ -306,9 +364,9 @@ def check_grouped_inputs(lhs, rhs, group_sizes, *, fused: bool, lhs_rows=None) -
 
 
 def _launch(
-    lhs, rhs, group_sizes, row_offset, lhs_rows, *, fused: bool, interpret: bool, tiling: MoeTiling | None
+    lhs, rhs, group_sizes, row_offset, lhs_rows, rhs_scale, *, fused: bool, interpret: bool, tiling: MoeTiling | None
 ) -> jax.Array:
-    check_grouped_inputs(lhs, rhs, group_sizes, fused=fused, lhs_rows=lhs_rows)
+    check_grouped_inputs(lhs, rhs, group_sizes, fused=fused, lhs_rows=lhs_rows, rhs_scale=rhs_scale)
     if row_offset is not None:
         row_offset = jnp.asarray(row_offset)
         if row_offset.shape != () or row_offset.dtype != jnp.int32:
@@ -320,7 +378,9 @@ def _launch(
         raise ValueError(f"lhs_rows index {num_rows} rows of an empty lhs")
     tiling = default_moe_tiling(num_rows, rhs.shape[0], fused) if tiling is None else tiling
     filter_triton_deprecation()
-    return _grouped(lhs, rhs, group_sizes, row_offset, lhs_rows, fused=fused, tiling=tiling, interpret=interpret)
+    return _grouped(
+        lhs, rhs, group_sizes, row_offset, lhs_rows, rhs_scale, fused=fused, tiling=tiling, interpret=interpret
+    )
 
 
 def grouped_matmul(
@@ -330,6 +390,7 @@ def grouped_matmul(
     *,
     row_offset: Int[Array, ""] | int | None = None,
     lhs_rows: Int[Array, " R"] | None = None,
+    rhs_scale: Float[Array, "E Dout"] | None = None,
     interpret: bool = False,
     tiling: MoeTiling | None = None,
 ) -> Float[Array, "R Dout"]:
@@ -340,9 +401,13 @@ def grouped_matmul(
     are zeros, not read (None, the default, and 0: ragged_dot's semantics). An expert-parallel device passes its
     experts' group sizes and the rows of the experts before them, and computes only its experts' rows of the
     whole row set. lhs_rows: int32 [R]: row r reads lhs[lhs_rows[r]] (lhs then has any number of rows; the
-    result is `grouped_matmul(lhs[lhs_rows], ...)` without that copy). tiling: `MoeTiling` (default
-    `default_moe_tiling(R, E, fused)`). interpret: run on a CPU (tests)."""
-    return _launch(lhs, rhs, group_sizes, row_offset, lhs_rows, fused=False, interpret=interpret, tiling=tiling)
+    result is `grouped_matmul(lhs[lhs_rows], ...)` without that copy). rhs_scale: float32 [E, Dout] with rhs in
+    float8_e4m3fn (`jaxserve.models.quant.Fp8Experts`): the weight is rhs * rhs_scale[:, None], read as FP8 bytes
+    and converted to lhs's dtype tile by tile. tiling: `MoeTiling` (default `default_moe_tiling(R, E, fused)`).
+    interpret: run on a CPU (tests)."""
+    return _launch(
+        lhs, rhs, group_sizes, row_offset, lhs_rows, rhs_scale, fused=False, interpret=interpret, tiling=tiling
+    )
 
 
 def grouped_gate_up(
@@ -352,11 +417,15 @@ def grouped_gate_up(
     *,
     row_offset: Int[Array, ""] | int | None = None,
     lhs_rows: Int[Array, " R"] | None = None,
+    rhs_scale: Float[Array, "E 2 F"] | None = None,
     interpret: bool = False,
     tiling: MoeTiling | None = None,
 ) -> Float[Array, "R F"]:
     """silu(lhs @ gate) * (lhs @ up) per group, gate = rhs[:, :, 0] and up = rhs[:, :, 1]: the two products
     and the activation in float32, the result in lhs's dtype; rows past sum(group_sizes) zero.
 
-    row_offset, lhs_rows, tiling (block_n columns of gate and of up each) and interpret as in `grouped_matmul`."""
-    return _launch(lhs, rhs, group_sizes, row_offset, lhs_rows, fused=True, interpret=interpret, tiling=tiling)
+    row_offset, lhs_rows, rhs_scale ([E, 2, F]), tiling (block_n columns of gate and of up each) and interpret as
+    in `grouped_matmul`."""
+    return _launch(
+        lhs, rhs, group_sizes, row_offset, lhs_rows, rhs_scale, fused=True, interpret=interpret, tiling=tiling
+    )

@@ -303,7 +303,7 @@ def param_specs(cfg: MoeConfig) -> MoeWeights:
 
 def serving_specs(cfg: MoeConfig, quantization: str | None = None) -> MoeServingWeights:
     """The serving layout with a ParamSpec at every leaf (the rules table splits kv_heads, mlp, experts, vocab); the
-    linear weights as `quantization` stores them (the experts' stacks stay in the serving dtype)."""
+    linear weights and expert stacks as `quantization` stores them."""
     dense = llama.serving_specs(cfg.base)
     attention = {name: getattr(dense.layers[0], name) for name in _SERVING_ATTENTION_FIELDS}
     layers = tuple(

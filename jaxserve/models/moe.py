@@ -40,6 +40,7 @@ from jaxserve import kernels
 from jaxserve.models.attention import AttentionMetadata, _runs_pallas
 from jaxserve.models.common import ParamSpec, gated_mlp
 from jaxserve.models.layers import LayerMlp
+from jaxserve.models.quant import Fp8Experts
 from jaxserve.sharding.mesh import MODEL_AXIS
 from jaxserve.sharding.rules import Rules, partition_spec
 
@@ -79,14 +80,16 @@ class ExpertMlp:
     GEMM kernel's operand), the shared expert's too."""
 
     router: Float[Array, "D E"]
-    w_gate_up: Float[Array, "E D 2 F"]
-    w_down: Float[Array, "E F D"]
+    w_gate_up: Float[Array, "E D 2 F"] | Fp8Experts
+    w_down: Float[Array, "E F D"] | Fp8Experts
     shared_gate_up: Float[Array, "D 2 Fs"] | None
     shared_down: Float[Array, "Fs D"] | None
     shared_gate: Float[Array, " D"] | None
 
-    # Quantized: the shared expert's GEMMs; the experts' grouped GEMMs (kernels/moe.py) take bf16 only.
+    # Quantized (quant.quantize_linears): the shared expert's GEMMs as linears, the expert stacks as
+    # `quant.Fp8Experts` (the grouped GEMMs read their FP8 tiles).
     LINEARS: ClassVar[dict[str, int]] = {"shared_gate_up": 1, "shared_down": 1}
+    EXPERTS: ClassVar[tuple[str, ...]] = ("w_gate_up", "w_down")
 
 
 @jax.tree_util.register_dataclass
@@ -230,12 +233,15 @@ def experts_mlp(
     device under tensor parallelism, the experts split as `split` says: None, as the default rules table says),
     everything else as XLA's ragged_dot."""
     expert_ids, route_weights = route(x, weights.router, mlp.top_k, mlp.normalize_top_k)
-    order, group_sizes = sort_by_expert(expert_ids, weights.w_gate_up.shape[0])
-    args = (x, weights.w_gate_up, weights.w_down, order, group_sizes, route_weights)
+    order, group_sizes = sort_by_expert(expert_ids, weights.router.shape[1])
+    routing = (order, group_sizes, route_weights)
     if _runs_pallas(meta):
-        combined = _pallas_experts(*args, meta, mlp, split)
-    else:
-        combined = _routed_experts(*args, gate_up=_gathered_gate_up, down=jax.lax.ragged_dot)
+        combined = _pallas_experts(x, weights.w_gate_up, weights.w_down, *routing, meta, mlp, split)
+    else:  # FP8 stacks dequantized to x's dtype for XLA's ragged_dot
+        w_gate_up, w_down = (
+            w.dequantize(x.dtype) if isinstance(w, Fp8Experts) else w for w in (weights.w_gate_up, weights.w_down)
+        )
+        combined = _routed_experts(x, w_gate_up, w_down, *routing, gate_up=_gathered_gate_up, down=jax.lax.ragged_dot)
     if weights.shared_gate_up is not None:
         shared = gated_mlp(x, weights.shared_gate_up, weights.shared_down)
         scale = jax.nn.sigmoid(jnp.einsum("td,d->t", x, weights.shared_gate, preferred_element_type=jnp.float32))
@@ -277,9 +283,19 @@ def _routed_experts(
     return jnp.einsum("tkd,tk->td", per_choice.astype(jnp.float32), route_weights)
 
 
+def _values_and_scale(w: Array | Fp8Experts) -> tuple[Array, Array | None]:
+    return (w.values, w.scale) if isinstance(w, Fp8Experts) else (w, None)
+
+
+def _without_din(spec: PartitionSpec) -> PartitionSpec:
+    """The PartitionSpec of an expert stack's scale: the stack's without its Din axis (axis 1)."""
+    return PartitionSpec(*spec[:1], *spec[2:])
+
+
 def _pallas_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, meta, mlp, split: ExpertSplit | None):
-    """`_routed_experts` with the Pallas grouped GEMMs; under a mesh, per device under shard_map on the expert
-    weights as they are split, and summed over the model axis where they are:
+    """`_routed_experts` with the Pallas grouped GEMMs (FP8 stacks read as FP8 tiles with their scales); under a
+    mesh, per device under shard_map on the expert weights as they are split, and summed over the model axis where
+    they are:
     - tensor-parallel experts ("mlp" over the model axis): every row through each device's F slice of gate/up
       and of down, which gives a partial sum of each row's output;
     - expert parallelism ("experts" over it): a device holds E / tp whole experts, whose rows are a contiguous
@@ -288,9 +304,10 @@ def _pallas_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, met
     The psum is of the combined [T, D] in float32, not of the [T * k, D] rows."""
     kernel_options = dict(interpret=meta.interpret)
     mesh = meta.mesh
+    (w_gate_up, gate_up_scale), (w_down, down_scale) = _values_and_scale(w_gate_up), _values_and_scale(w_down)
     if mesh is None or mesh.size == 1:
-        gate_up = partial(kernels.grouped_gate_up, **kernel_options)
-        down = partial(kernels.grouped_matmul, **kernel_options)
+        gate_up = partial(kernels.grouped_gate_up, rhs_scale=gate_up_scale, **kernel_options)
+        down = partial(kernels.grouped_matmul, rhs_scale=down_scale, **kernel_options)
         return _routed_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, gate_up=gate_up, down=down)
     split = expert_split(x.shape[-1], mlp, mesh) if split is None else split
     by_expert, by_hidden = split.w_gate_up[0] == MODEL_AXIS, split.w_gate_up[3] == MODEL_AXIS
@@ -298,22 +315,27 @@ def _pallas_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, met
         raise ValueError(f"w_gate_up and w_down must split experts or their hidden alike, got {split}")
     num_experts = group_sizes.shape[0]
 
-    def per_device(x, w_gate_up, w_down, order, group_sizes, route_weights):
+    def per_device(x, w_gate_up, w_down, order, group_sizes, route_weights, gate_up_scale, down_scale):
         row_offset = None
         if by_expert:
             local = w_gate_up.shape[0]
             first = jax.lax.axis_index(MODEL_AXIS) * local
             row_offset = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes, 0), dtype=jnp.int32)
             group_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, local)
-        gate_up = partial(kernels.grouped_gate_up, row_offset=row_offset, **kernel_options)
-        down = partial(kernels.grouped_matmul, row_offset=row_offset, **kernel_options)
+        options = dict(row_offset=row_offset, **kernel_options)
+        gate_up = partial(kernels.grouped_gate_up, rhs_scale=gate_up_scale, **options)
+        down = partial(kernels.grouped_matmul, rhs_scale=down_scale, **options)
         out = _routed_experts(x, w_gate_up, w_down, order, group_sizes, route_weights, gate_up=gate_up, down=down)
         return jax.lax.psum(out, MODEL_AXIS) if by_expert or by_hidden else out
 
     replicated = PartitionSpec()
-    in_specs = (replicated, split.w_gate_up, split.w_down, replicated, replicated, replicated)
+    scale_specs = (
+        replicated if gate_up_scale is None else _without_din(split.w_gate_up),  # None: no leaves
+        replicated if down_scale is None else _without_din(split.w_down),
+    )
+    in_specs = (replicated, split.w_gate_up, split.w_down, replicated, replicated, replicated, *scale_specs)
     run = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=replicated, check_vma=False)
-    return run(x, w_gate_up, w_down, order, group_sizes, route_weights)
+    return run(x, w_gate_up, w_down, order, group_sizes, route_weights, gate_up_scale, down_scale)
 
 
 def mlp_block(

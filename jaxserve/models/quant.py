@@ -63,6 +63,40 @@ def serving_order(values: Array, num_in_axes: int) -> Array:
     return jnp.moveaxis(values, tuple(range(n - num_in_axes, n)), tuple(range(num_in_axes)))
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class Fp8Experts:
+    """A mixture of experts' weight stack in FP8, read by the grouped GEMMs (`jaxserve.kernels.moe`, which convert
+    each tile to the rows' dtype in registers): values in the stack's own layout, [E, Din, *out] (gate/up
+    [E, D, 2, F], down [E, F, D]), in float8_e4m3fn; scale [E, *out] float32, per expert and output channel (max
+    |w| over Din / 448). The weight is values * scale[:, None]."""
+
+    values: Array
+    scale: Float[Array, "..."]
+
+    def dequantize(self, dtype=jnp.float32) -> Array:
+        """values * scale in `dtype` (the xla backend's and the dense reference's operand; the tests' float32)."""
+        return (self.values.astype(jnp.float32) * jnp.expand_dims(self.scale, 1)).astype(dtype)
+
+
+def quantize_experts(w: Array) -> Fp8Experts:
+    """The FP8 form of an [E, Din, *out] expert stack: a scale per expert and output channel, values rounded to
+    nearest in e4m3. Traceable."""
+    if w.ndim < 3:
+        raise ValueError(f"an expert stack is [E, Din, *out], got shape {w.shape}")
+    w = w.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1) / FP8_MAX, _MIN_SCALE)
+    return Fp8Experts(values=(w / jnp.expand_dims(scale, 1)).astype(FP8_DTYPE), scale=scale)
+
+
+def quantized_experts_spec(spec: Any) -> Fp8Experts:
+    """The ParamSpec pair of a quantized expert stack: the values as the stack, the scale without its Din axis."""
+    scale = dataclasses.replace(
+        spec, shape=spec.shape[:1] + spec.shape[2:], logical_axes=spec.logical_axes[:1] + spec.logical_axes[2:]
+    )
+    return Fp8Experts(values=spec, scale=scale)
+
+
 def quantize(w: Array, num_in_axes: int) -> Fp8Weight:
     """The FP8 form of a [*in, *out] weight: a scale per output channel (max |w| over the leading num_in_axes
     axes / 448), values rounded to nearest in e4m3. Traceable (the serving-layout fuser runs it per layer)."""
@@ -117,10 +151,13 @@ def quantized_spec(spec: Any, num_in_axes: int) -> Fp8Weight:
     return Fp8Weight(values=values, scale=scale)
 
 
-def quantize_linears(layer: Any, convert: Callable[[Any, int], Any]) -> Any:
+def quantize_linears(
+    layer: Any, convert: Callable[[Any, int], Any], convert_experts: Callable[[Any], Any] | None = None
+) -> Any:
     """`layer` (a serving-layout dataclass) with each linear weight its class declares in LINEARS (field name ->
-    contracted leading axes) replaced by convert(weight, num_in_axes), nested dataclasses likewise (an MoE layer's
-    MLP). convert: `quantize` for arrays, `quantized_spec` for ParamSpecs."""
+    contracted leading axes) replaced by convert(weight, num_in_axes), each expert stack it declares in EXPERTS by
+    convert_experts(stack), nested dataclasses likewise (an MoE layer's MLP). convert / convert_experts: `quantize`
+    / `quantize_experts` for arrays, `quantized_spec` / `quantized_experts_spec` for ParamSpecs."""
     changes = {}
     for field in dataclasses.fields(layer):
         value = getattr(layer, field.name)
@@ -128,16 +165,19 @@ def quantize_linears(layer: Any, convert: Callable[[Any, int], Any]) -> Any:
             continue
         if field.name in getattr(type(layer), "LINEARS", {}):
             changes[field.name] = convert(value, type(layer).LINEARS[field.name])
+        elif field.name in getattr(type(layer), "EXPERTS", ()) and convert_experts is not None:
+            changes[field.name] = convert_experts(value)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            changes[field.name] = quantize_linears(value, convert)
+            changes[field.name] = quantize_linears(value, convert, convert_experts)
     return dataclasses.replace(layer, **changes)
 
 
 def quantize_layer(layer: Any, quantization: str | None) -> Any:
-    """A serving layer's linear weights in `quantization` (None: as they are)."""
-    return layer if quantization is None else quantize_linears(layer, quantize)
+    """A serving layer's linear weights and expert stacks in `quantization` (None: as they are)."""
+    return layer if quantization is None else quantize_linears(layer, quantize, quantize_experts)
 
 
 def quantize_layer_specs(layer: Any, quantization: str | None) -> Any:
-    """A serving layer's ParamSpecs with its linear weights' specs as `quantization` stores them."""
-    return layer if quantization is None else quantize_linears(layer, quantized_spec)
+    """A serving layer's ParamSpecs with its linear weights' and expert stacks' specs as `quantization` stores
+    them."""
+    return layer if quantization is None else quantize_linears(layer, quantized_spec, quantized_experts_spec)

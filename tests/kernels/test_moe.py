@@ -104,6 +104,52 @@ def test_bfloat16_within_rounding(fused):
         )
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
+def test_fp8_rhs_float32_bit_for_bit(fused):
+    """An FP8 expert stack (`quant.Fp8Experts`: e4m3 values, a float32 scale per expert and output column) against
+    the reference on its dequantized values: small integers (exact in e4m3) and power-of-two scales keep every
+    product and sum exact, so the kernel's convert-then-scale order must give the same bits."""
+    rows, din, dout, tiling = SHAPES[0]
+    lhs, rhs = _integer_inputs(rows, din, dout, fused, seed=5)
+    rng = np.random.default_rng(5)
+    scale = jnp.asarray(2.0 ** rng.integers(-4, 3, rhs.shape[:1] + rhs.shape[2:]), jnp.float32)
+    values = rhs.astype(jnp.float8_e4m3fn)
+    kernel = functools.partial(pk.grouped_gate_up if fused else pk.grouped_matmul, interpret=True, tiling=tiling)
+    reference = pk.grouped_gate_up_reference if fused else pk.grouped_matmul_reference
+    compiled = jax.jit(lambda lhs, rhs, sizes, scale: kernel(lhs, rhs, sizes, rhs_scale=scale))
+    cases = {name: _sizes(name, rows) for name in ROUTINGS} | {f"random{i}": _random_sizes(rng, rows) for i in range(3)}
+    for name, sizes in cases.items():
+        out = compiled(lhs, values, sizes, scale)
+        want = reference(lhs, values, sizes, scale)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want), err_msg=f"{name}: {sizes.tolist()}")
+        # and the dequantized float32 stack through the plain kernel's reference
+        np.testing.assert_array_equal(
+            np.asarray(out), np.asarray(reference(lhs, moe.dequantized(values, scale), sizes))
+        )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
+def test_fp8_rhs_bfloat16_within_rounding(fused):
+    """bf16 rows times an FP8 stack quantized from Gaussian weights: the FP8 tiles converted to bf16 exactly, so
+    one bf16 rounding of the output from the float32 reference of the same operands."""
+    from jaxserve.models import quant
+
+    rows, din, dout, tiling = SHAPES[0]
+    rng = np.random.default_rng(2)
+    lhs = jnp.asarray(rng.standard_normal((rows, din)), jnp.bfloat16)
+    shape = (E, din, 2, dout) if fused else (E, din, dout)
+    stack = quant.quantize_experts(
+        jnp.asarray(rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 0, shape[:1] + (1,) + shape[2:]))
+    )
+    kernel = pk.grouped_gate_up if fused else pk.grouped_matmul
+    reference = pk.grouped_gate_up_reference if fused else pk.grouped_matmul_reference
+    for sizes in (_sizes("ragged", rows), _sizes("one_row_groups", rows), _random_sizes(rng, rows)):
+        out = kernel(lhs, stack.values, sizes, rhs_scale=stack.scale, interpret=True, tiling=tiling)
+        assert out.dtype == jnp.bfloat16
+        want = np.asarray(reference(lhs.astype(jnp.float32), stack.values, sizes, stack.scale))
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2**-8, atol=2**-8 * np.abs(want).max())
+
+
 def test_padding_rows_are_not_read():
     """NaN in the padding rows: they come out as zeros, every routed row is finite."""
     rows, din, dout, tiling = SHAPES[0]
@@ -269,6 +315,13 @@ def test_tile_table_random_routings_fit_the_slots():
         (dict(rhs=jnp.zeros((E, 16, 8), jnp.bfloat16)), TypeError, "must have lhs's dtype"),
         (dict(lhs=jnp.zeros((4, 16), jnp.int32), rhs=jnp.zeros((E, 16, 8), jnp.int32)), TypeError, "lhs dtype"),
         (dict(lhs=jax.ShapeDtypeStruct((1 << 27, 16), jnp.float32)), ValueError, "fewer than 2..31 elements"),
+        (dict(rhs=jnp.zeros((E, 16, 8), jnp.float8_e4m3fn)), TypeError, "or be float8_e4m3fn with rhs_scale"),
+        (dict(rhs_scale=jnp.ones((E, 8))), TypeError, "rhs must be float8_e4m3fn and rhs_scale float32"),
+        (
+            dict(rhs=jnp.zeros((E, 16, 8), jnp.float8_e4m3fn), rhs_scale=jnp.ones((E, 16))),
+            ValueError,
+            r"rhs_scale must be rhs's shape without Din, \[5, 8\]",
+        ),
     ],
 )
 def test_bad_inputs_are_clear_errors(change, error, message):
@@ -300,11 +353,14 @@ def test_gate_up_needs_the_pair_axis():
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, "fp8"], ids=["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("fused", [False, True], ids=["matmul", "gate_up"])
 def test_lowers_for_cuda_as_one_launch(fused, dtype, capsys, monkeypatch):
     """Qwen3-30B-A3B's expert shapes at a decode and a prefill bucket: one Triton launch, one dot per weight
-    tile in the K loop (two when fused), float32 dots at IEEE precision (no TF32)."""
+    tile in the K loop (two when fused), float32 dots at IEEE precision (no TF32). fp8: bf16 rows and an e4m3
+    stack with its scales, each weight tile converted to bf16 before its dot."""
+    fp8 = dtype == "fp8"
+    dtype = jnp.bfloat16 if fp8 else dtype
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))  # prints the IR
     experts, d, f = 128, 2048, 768
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
@@ -312,14 +368,20 @@ def test_lowers_for_cuda_as_one_launch(fused, dtype, capsys, monkeypatch):
     # gate_up also as the model runs it: the rows gathered from the tokens in its loads (lhs_rows).
     for rows, gather in ((64, False), (8192, False)) + (((8192, True),) if fused else ()):
         lhs = jax.ShapeDtypeStruct((rows // 8 if gather else rows, d if fused else f), dtype)
-        rhs = jax.ShapeDtypeStruct((experts, d, 2, f) if fused else (experts, f, d), dtype)
-        fn = jax.jit(lambda lhs, rhs, sizes, *rows: kernel(lhs, rhs, sizes, lhs_rows=rows[0] if rows else None))
+        shape = (experts, d, 2, f) if fused else (experts, f, d)
+        rhs = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn if fp8 else dtype)
+        scale = jax.ShapeDtypeStruct(shape[:1] + shape[2:], jnp.float32) if fp8 else None
+
+        def fn(lhs, rhs, sizes, scale, *rows):
+            return kernel(lhs, rhs, sizes, lhs_rows=rows[0] if rows else None, rhs_scale=scale)
+
         capsys.readouterr()
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)):
-            exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+            exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
                 lhs,
                 rhs,
                 jax.ShapeDtypeStruct((experts,), jnp.int32),
+                scale,
                 *((jax.ShapeDtypeStruct((rows,), jnp.int32),) if gather else ()),
             )
         assert exported.mlir_module().count("xla.gpu.triton") == 1
@@ -331,6 +393,9 @@ def test_lowers_for_cuda_as_one_launch(fused, dtype, capsys, monkeypatch):
         assert len(dots) == (2 if fused else 1), ir
         assert re.findall(r"inputPrecision = (\w+)", ir) == []  # IEEE is the default and not printed
         assert ir.count("scf.for") == 1
+        if fp8:  # each e4m3 tile converted to bf16 in registers, the dots of bf16 operands
+            assert len(re.findall(r"tt.fp_to_fp .*f8E4M3FN.* -> tensor<\d+x\d+xbf16>", ir)) == (2 if fused else 1), ir
+            assert all("bf16" in dot and "f8E4M3FN" not in dot for dot in dots)
 
 
 def test_docs_example_runs():

@@ -174,7 +174,10 @@ def test_each_family_quantizes_its_linear_weights_and_stays_close(name):
     assert not isinstance(fp8.embed, quant.Fp8Weight) and fp8.embed.dtype == jnp.float32
     if name == "qwen3_moe":
         assert isinstance(fp8.layers[1].mlp.w_down, quant.Fp8Weight)  # the dense layer
-        assert fp8.layers[0].mlp.w_down.dtype == jnp.float32  # the experts' stack stays as it is
+        experts = fp8.layers[0].mlp  # the expert stacks: e4m3 in their own layout, a scale per expert and column
+        assert isinstance(experts.w_gate_up, quant.Fp8Experts) and isinstance(experts.w_down, quant.Fp8Experts)
+        assert experts.w_gate_up.values.shape == (4, 64, 2, 32) and experts.w_gate_up.scale.shape == (4, 2, 32)
+        assert experts.w_down.values.dtype == jnp.float8_e4m3fn and experts.w_down.scale.shape == (4, 64)
     else:
         assert isinstance(layer.w_gate_up, quant.Fp8Weight) and isinstance(layer.w_down, quant.Fp8Weight)
     # The quantized forward stays within FP8's precision of the plain one: each FP8 product of Gaussian operands is
@@ -186,6 +189,22 @@ def test_each_family_quantizes_its_linear_weights_and_stays_close(name):
     got = _logits(family, cfg, fp8, tokens)
     rel_rms = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
     assert rel_rms <= 0.15, rel_rms
+
+
+def test_expert_stacks_quantize_per_expert_and_output_channel():
+    rng = np.random.default_rng(3)
+    # [E, Din, 2, F]: experts and channels whose magnitudes differ by up to 1000x.
+    w = rng.standard_normal((3, 24, 2, 8)) * 10.0 ** rng.uniform(-3, 0, (3, 1, 2, 8))
+    q = quant.quantize_experts(jnp.asarray(w, jnp.float32))
+    assert q.values.shape == w.shape and q.values.dtype == jnp.float8_e4m3fn and q.scale.shape == (3, 2, 8)
+    np.testing.assert_allclose(q.scale, np.abs(w).max(axis=1) / 448, rtol=1e-6)
+    err = np.abs(np.asarray(q.dequantize()) - w)
+    assert (err <= np.maximum(np.abs(w) * 2.0**-4, np.asarray(q.scale)[:, None] * 2.0**-10) * 1.0001).all()
+    spec = quant.quantized_experts_spec(ParamSpec((3, 24, 2, 8), ("experts", "embed", None, "mlp")))
+    assert spec.values == ParamSpec((3, 24, 2, 8), ("experts", "embed", None, "mlp"))
+    assert spec.scale == ParamSpec((3, 2, 8), ("experts", None, "mlp"))
+    with pytest.raises(ValueError, match="an expert stack is"):
+        quant.quantize_experts(jnp.ones((4, 4)))
 
 
 def test_fp8_kv_values_clip_to_e4m3_range():

@@ -117,6 +117,28 @@ CHECK = f"PALLAS_MESHES = {PALLAS_MESHES!r}\n" + textwrap.dedent(
                 kernels=[text.count("name=moe_gate_up") + text.count("name=moe_matmul") for text in jaxprs],
                 shard_maps=[text.count("shard_map") for text in jaxprs],
             )
+
+    # FP8 weights (quantization="fp8": the linears' FP8 products and the expert stacks in e4m3 with their scales,
+    # which the kernels read as FP8 tiles and the xla backend dequantizes): the kernels on one device and on
+    # Qwen2-MoE's tp=2 mesh under each table against one device's xla backend on the same FP8 weights.
+    family, cfg, checkpoint = models["qwen2_moe"]
+    errors = lambda got, want: [float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, want)]
+    plain, _ = paged_logits(family, cfg, family.to_serving(checkpoint, cfg), "xla", None, None)
+    fp8 = family.to_serving(checkpoint, cfg, quantization="fp8")
+    single, _ = paged_logits(family, cfg, fp8, "xla", None, None)
+    one_device, _ = paged_logits(family, cfg, fp8, "pallas", None, None)
+    results["fp8 plain"] = dict(errors=errors(single, plain))
+    results["fp8 one device pallas"] = dict(errors=errors(one_device, single))
+    mesh = make_mesh(tp=2)
+    for rules_name, rules in RULES.items():
+        shardings = named_shardings(family.serving_specs(cfg, quantization="fp8"), mesh, rules)
+        weights = family.to_serving(checkpoint, cfg, shardings, quantization="fp8")
+        sharded, _ = paged_logits(family, cfg, weights, "pallas", mesh, rules)
+        experts = weights.layers[cfg.moe_layers[0]].mlp.w_gate_up
+        results[f"fp8 tp=2 {rules_name} pallas"] = dict(
+            errors=errors(sharded, single), dtype=str(experts.values.dtype),
+            values=[str(a) for a in experts.values.sharding.spec], scale=[str(a) for a in experts.scale.sharding.spec],
+        )
     print(json.dumps(results))
     """
 )
@@ -151,3 +173,18 @@ def test_sharded_pallas_moe_logits_equal_single_device(sharded_results: dict, fa
     assert max(result["errors"]) < 1e-5, result
     # Both grouped GEMMs traced once per step (the expert layers share decoder_layer's trace), inside a shard_map.
     assert result["kernels"] == [2] and min(result["shard_maps"]) > 0, result
+
+
+@pytest.mark.parametrize("rules", ["tensor_parallel", "expert_parallel"])
+def test_fp8_experts_through_the_kernels_equal_the_dequantized_stacks(sharded_results: dict, rules: str) -> None:
+    """FP8 expert stacks read by the grouped GEMMs (one device, and per device on a tp=2 mesh with each table's
+    split of values and scales) give the xla backend's logits on the same FP8 weights; FP8 is not the plain model."""
+    assert min(sharded_results["fp8 plain"]["errors"]) > 1e-3, "the FP8 weights were meant to change the logits"
+    assert max(sharded_results["fp8 one device pallas"]["errors"]) < 1e-5, sharded_results["fp8 one device pallas"]
+    result = sharded_results[f"fp8 tp=2 {rules} pallas"]
+    assert max(result["errors"]) < 1e-5, result
+    assert result["dtype"] == "float8_e4m3fn"
+    if rules == "tensor_parallel":  # the scale [E, 2, F] split with its F columns
+        assert result["values"] == ["None", "None", "None", "model"] and result["scale"] == ["None", "None", "model"]
+    else:
+        assert result["values"] == ["model", "None", "None", "None"] and result["scale"] == ["model", "None", "None"]
