@@ -193,3 +193,46 @@ def test_a_scale_without_its_fp8_weight_is_named():
     stream = iter([("model.layers.0.mlp.up_proj.weight_scale_inv", np.ones((1, 1), np.float32))])
     with pytest.raises(ValueError, match=r"scale model.layers.0.mlp.up_proj.weight_scale_inv has no FP8 weight"):
         list(dequantized_tensors(stream, Fp8CheckpointFormat("fp8", (16, 32))))
+
+
+def test_an_fp8_mixture_of_experts_checkpoint_loads_and_serves_its_experts_in_fp8(tmp_path, tiny_hf_config, hf_model):
+    """A Qwen3-MoE FP8 checkpoint as the hub's FP8 releases are (every expert's projections block-quantized under
+    their per-expert names, the router kept): its stacked expert weights equal those of the dequantized checkpoint
+    written plainly, and `LLM` serves it with the linears and the expert stacks in FP8."""
+    from safetensors.numpy import load_file
+
+    from jaxserve import LLM, CompileConfig
+    from jaxserve.bench import TokenIdTokenizer
+    from jaxserve.models import quant
+
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+    config = tiny_hf_config("qwen3_moe", **extra)
+    hf_model(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    state = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in state  # per-expert names, as published
+    dequantized = write_fp8_checkpoint(tmp_path / "fp8", config, state, "fp8")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
+    save_file({k: np.asarray(v, np.float32) for k, v in dequantized.items()}, tmp_path / "plain" / "model.safetensors")
+    fp8, plain = load_model(tmp_path / "fp8", dtype="float32"), load_model(tmp_path / "plain", dtype="float32")
+    np.testing.assert_array_equal(fp8.weights.experts.w_down, plain.weights.experts.w_down)
+    np.testing.assert_array_equal(fp8.weights.experts.w_gate, plain.weights.experts.w_gate)
+    assert not np.array_equal(
+        fp8.weights.experts.w_down[1, 3], state["model.layers.1.mlp.experts.3.down_proj.weight"].T
+    )  # the FP8 values, not the originals
+    llm = LLM(
+        str(tmp_path / "fp8"),
+        tokenizer=TokenIdTokenizer(),
+        max_batch_size=2,
+        max_seq_len=32,
+        max_num_tokens=32,
+        compile_config=CompileConfig(decode_batch_sizes=(2,), token_buckets=(32,), penalty_variants=False),
+        show_progress=False,
+    )
+    try:
+        assert llm.config.quantization == "fp8"
+        mlp = llm.engine.runner.weights.arrays.layers[0].mlp
+        assert isinstance(mlp.w_gate_up, quant.Fp8Experts) and isinstance(mlp.w_down, quant.Fp8Experts)
+        assert len(llm.generate([TOKENS], use_tqdm=False)[0].outputs[0].token_ids) > 0
+    finally:
+        llm.close()
