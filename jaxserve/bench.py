@@ -31,7 +31,7 @@ significant digits.
                          construction: profile, KV pool, compiling), "warmup_s" (of which compiling),
                          "compiled_executables" (forwards and samplers, over every replica),
                          "experts" (a mixture of experts' layout: "expert_parallel" | "tensor_parallel" |
-                         "one_device"; null for a dense model), "quantization" (null | "fp8"),
+                         "one_device"; null for a dense model), "quantization" (null | "fp8"), "quantize_lm_head",
                          "kv_cache_dtype" (the KV pool's element type, e.g. "bfloat16", "float8_e4m3fn"),
                          "lowering_s", "xla_compile_s" (of the executables compiled at warmup rather than
                          loaded from the step store: tracing and lowering them, which holds the GIL, and
@@ -245,6 +245,7 @@ class EngineSummary:
     gpu_client: str | None = None  # gpu_client.active_client: "tfrt" | "stream_executor"; None off a GPU
     experts: str | None = None  # expert_layout; None for a dense model
     quantization: str | None = None  # EngineConfig.quantization
+    quantize_lm_head: bool = False  # EngineConfig.quantize_lm_head
     kv_cache_dtype: str | None = None  # the KV pool's element type
 
 
@@ -286,6 +287,7 @@ def engine_summary(llm: LLM, load_s: float, init_s: float) -> EngineSummary:
         gpu_client=gpu_client.active_client(llm.engine.runner.mesh.devices.flat[0].platform),
         experts=expert_layout(spec.cfg, spec.expert_parallel, tp),
         quantization=spec.quantization,
+        quantize_lm_head=spec.quantize_lm_head,
         kv_cache_dtype=np.dtype(spec.cache_dtype).name,
     )
 
@@ -564,7 +566,8 @@ def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:
         f"engine              {e.backend} backend, {e.dtype}, tensor parallel {e.tensor_parallel_size}, "
         f"data parallel {e.data_parallel_size}{'' if e.gpu_client is None else f', GPU client {e.gpu_client}'}"
         f"{'' if e.experts is None else f', experts {e.experts}'}"
-        f"{'' if e.quantization is None else f', {e.quantization} weights'}; "
+        f"{'' if e.quantization is None else f', {e.quantization} weights'}"
+        f"{' and lm_head' if e.quantize_lm_head else ''}; "
         f"max_batch_size {e.max_batch_size}, max_num_tokens {e.max_num_tokens}, max_seq_len {e.max_seq_len}",
         f"start-up            load {e.load_s:.2f} s, engine {e.init_s:.2f} s "
         f"(compiling {e.compiled_executables} executables: {e.warmup_s:.2f} s; summed over those not loaded "

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> str:
         ),
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantize_lm_head=args.quantize_lm_head,
         seed=args.seed,
         show_progress=args.verbose,
     )
@@ -190,6 +191,7 @@ def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[s
         "data_parallel_size": args.data_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "quantization": args.quantization,
+        "quantize_lm_head": args.quantize_lm_head,
     }
 
 

@@ -29,6 +29,9 @@ def _add_generation_args(parser: argparse.ArgumentParser) -> None:
         "--quantization", choices=QUANTIZATIONS, default=None, help="fp8: FP8 linear weights (default: none)"
     )
     parser.add_argument(
+        "--quantize-lm-head", action="store_true", help="with --quantization: an untied lm_head in FP8 too"
+    )
+    parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="fp8: an FP8 KV cache (default: auto)"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -220,6 +223,11 @@ def _add_engine_options(
         default=None,
         help="fp8: the linear layers' weights in float8_e4m3fn with per-output-channel scales, activations "
         "quantized per token (default: none, weights in --dtype)",
+    )
+    group.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with --quantization: an untied lm_head quantized too, a scale per vocabulary entry (default: off)",
     )
     group.add_argument("--max-batch-size", type=positive, metavar="N", help=max_batch_size_help)
     group.add_argument("--max-num-tokens", type=positive, metavar="N", help="tokens per step (default: 8192)")

@@ -240,6 +240,9 @@ class EngineConfig:
         (`jaxserve/models/quant.py`), and a mixture of experts' expert stacks in float8_e4m3fn with a scale per
         expert and output channel (the grouped GEMMs read them as FP8 bytes, the rows unquantized); embeddings,
         lm_head and norms stay in `dtype`.
+    quantize_lm_head: with quantization, an untied lm_head quantized too (a scale per vocabulary entry; the
+        logits' GEMM reads half the bytes). Off by default, as TensorRT-LLM and vLLM leave the lm_head unquantized;
+        a tied lm_head (the embedding) is an error.
     """
 
     max_batch_size: int
@@ -254,6 +257,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     enable_expert_parallel: bool | None = None
     quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         _require_int("max_batch_size", self.max_batch_size, 1)
@@ -274,6 +278,10 @@ class EngineConfig:
             raise ValueError(f"enable_expert_parallel must be None or a bool, got {self.enable_expert_parallel!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"quantize_lm_head must be a bool, got {self.quantize_lm_head!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True needs quantization='fp8' (the lm_head is quantized as the linears)")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -361,6 +369,7 @@ def make_engine_config(
     logprobs_mode: str = "raw_logprobs",
     enable_expert_parallel: bool | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> EngineConfig:
     """An EngineConfig whose max_seq_len and max_num_tokens follow TensorRT-LLM's inference rules."""
     seq_len = infer_max_seq_len(hf_config, max_seq_len)
@@ -377,4 +386,5 @@ def make_engine_config(
         logprobs_mode=logprobs_mode,
         enable_expert_parallel=enable_expert_parallel,
         quantization=quantization,
+        quantize_lm_head=quantize_lm_head,
     )

@@ -88,14 +88,16 @@ def generate_dense(
     seed: int = 0,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    quantize_lm_head: bool = False,
 ) -> list[list[int]]:
     """The new tokens of each prompt: max_new_tokens of them, or fewer ending with an EOS token.
 
     `weights` in the checkpoint layout (what loaders and `init_weights` return); `quantization`: their linear
-    layers quantized as the engine's `EngineConfig.quantization` quantizes them (the same products);
+    layers quantized as the engine's `EngineConfig.quantization` quantizes them (the same products), and the
+    lm_head with `quantize_lm_head` (`EngineConfig.quantize_lm_head`);
     `kv_cache_dtype` "fp8": the cache holds K and V as the engine's FP8 pool does (`KvCacheConfig.dtype`)."""
     _validate(prompts, max_new_tokens, temperature, top_p)
-    weights = family.to_serving(weights, cfg, quantization=quantization)
+    weights = family.to_serving(weights, cfg, quantization=quantization, quantize_lm_head=quantize_lm_head)
     sampling = (np.float32(temperature), np.float32(top_p))
     step = partial(_step, family=family, cfg=cfg)
     lengths = np.array([len(p) for p in prompts], dtype=np.int32)

@@ -506,6 +506,7 @@ def start_runner(
         kv_layout=layout,
         expert_parallel=resolve_expert_parallel(config.enable_expert_parallel, cfg, tp),
         quantization=config.quantization,
+        quantize_lm_head=config.quantize_lm_head,
         kv_cache_dtype=config.kv_cache.dtype,
     )
     store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None

@@ -101,6 +101,7 @@ class LLM:
     quantization: None (default) or "fp8" (vLLM's option of that name): the linear layers' weights in
         float8_e4m3fn with per-output-channel scales, quantized on the device layer by layer as they are placed
         (and again on every `update_weights`), activations quantized per token; `EngineConfig.quantization`.
+    quantize_lm_head: with quantization, an untied lm_head in FP8 too (`EngineConfig.quantize_lm_head`).
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
 
     `llm.model` is the model's description (family, config, Hugging Face config, sources) without its
@@ -129,6 +130,7 @@ class LLM:
         enable_expert_parallel: bool | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
+        quantize_lm_head: bool = False,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -157,6 +159,7 @@ class LLM:
             logprobs_mode=logprobs_mode,
             enable_expert_parallel=enable_expert_parallel,
             quantization=quantization,
+            quantize_lm_head=quantize_lm_head,
         )
         self.replicas = ReplicaSet(
             _start_engines(loaded, self.tokenizer, self.config, replica_meshes, seed=seed, show_progress=show_progress)

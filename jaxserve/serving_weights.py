@@ -23,12 +23,10 @@ class ServingWeights:
     def __init__(self, spec: RunnerSpec, weights: Any, mesh: Mesh) -> None:
         self._family, self._cfg, self._dtype = spec.family, spec.cfg, spec.dtype
         # The checkpoint layout in, the family's serving layout on the mesh, split by the spec's rules table.
-        self._quantization = spec.quantization
-        specs = spec.family.serving_specs(spec.cfg, quantization=spec.quantization)
+        self._quantization = dict(quantization=spec.quantization, quantize_lm_head=spec.quantize_lm_head)
+        specs = spec.family.serving_specs(spec.cfg, **self._quantization)
         self.shardings = named_shardings(specs, mesh, spec.rules)
-        self.arrays: Any = spec.family.to_serving(
-            weights, spec.cfg, self.shardings, spec.dtype, quantization=spec.quantization
-        )
+        self.arrays: Any = spec.family.to_serving(weights, spec.cfg, self.shardings, spec.dtype, **self._quantization)
         self.abstract = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding), self.arrays)
         self._host: Any = None  # the weights while offloaded (`offload`)
 
@@ -46,7 +44,7 @@ class ServingWeights:
         The old buffers (if any: none after `discard`) are deleted layer by layer as the new ones are built."""
         old, self.arrays, self._host = self.arrays, None, None
         self.arrays = self._family.to_serving(
-            weights, self._cfg, self.shardings, self._dtype, replacing=old, quantization=self._quantization
+            weights, self._cfg, self.shardings, self._dtype, replacing=old, **self._quantization
         )
 
     def offload(self) -> None:

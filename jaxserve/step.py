@@ -108,6 +108,7 @@ class RunnerSpec:
     kv_layout: KVLayout | None = None  # the KV pool's layer groups; None: one group of every layer
     expert_parallel: bool = False  # EngineConfig.enable_expert_parallel as resolved: whole experts a device
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' storage ("fp8")
+    quantize_lm_head: bool = False  # EngineConfig.quantize_lm_head
     kv_cache_dtype: str = "auto"  # KvCacheConfig.dtype: "auto" (the dtype above) or "fp8"
 
     @property

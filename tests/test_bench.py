@@ -45,6 +45,7 @@ ENGINE_KEYS = {
     "gpu_client",
     "experts",
     "quantization",
+    "quantize_lm_head",
     "kv_cache_dtype",
 }
 STEP_KEYS = {"num_steps", "mean_host_ms", "mean_dispatch_ms", "decode_step_ms", "peak_kv_usage", "num_preempted"}
@@ -518,6 +519,7 @@ def test_expert_layout_is_named_for_a_mixture_of_experts_only():
 def test_fp8_random_weights_bench(capsys):
     args = ["bench", "latency", "--random-weights", "tiny-llama", "--input-len", "8", "--output-len", "4"]
     args += ["--num-iters", "1", "--decode-batch-sizes", "1", "--token-buckets", "8", "--quantization", "fp8"]
-    assert main([*args, "--kv-cache-dtype", "fp8", "--json"]) == 0
+    assert main([*args, "--kv-cache-dtype", "fp8", "--quantize-lm-head", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["engine"]["quantization"] == "fp8" and record["engine"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert record["engine"]["quantize_lm_head"] is True

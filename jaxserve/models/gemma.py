@@ -37,13 +37,12 @@ from jaxserve.models.common import (
     apply_rope,
     check_config_keys,
     delete_arrays,
-    place,
     rope_frequencies,
     serving_layers,
     split_qkv,
 )
 from jaxserve.models.layers import LayerAttention
-from jaxserve.models.quant import linear, quantize_layer, quantize_layer_specs
+from jaxserve.models.quant import linear, lm_head_spec, place_lm_head, quantize_layer, quantize_layer_specs
 from jaxserve.sharding.rules import layer_shardings
 
 # The Hugging Face architectures this family runs -> their model_type. Gemma3ForConditionalGeneration is the
@@ -361,7 +360,9 @@ def param_specs(cfg: GemmaConfig) -> GemmaWeights:
     )
 
 
-def serving_specs(cfg: GemmaConfig, quantization: str | None = None) -> GemmaServingWeights:
+def serving_specs(
+    cfg: GemmaConfig, quantization: str | None = None, quantize_lm_head: bool = False
+) -> GemmaServingWeights:
     """The serving layout with a ParamSpec at every leaf (the sharding rules split kv_heads, mlp, vocab); the
     linear weights as `quantization` stores them."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -384,7 +385,9 @@ def serving_specs(cfg: GemmaConfig, quantization: str | None = None) -> GemmaSer
         embed=ParamSpec((v, d), ("vocab", "embed")),
         layers=(quantize_layer_specs(layer, quantization),) * cfg.num_layers,
         final_norm=norm,
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")),
+        lm_head=lm_head_spec(
+            None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")), quantization, quantize_lm_head
+        ),
     )
 
 
@@ -395,6 +398,7 @@ def to_serving(
     dtype: Any = None,
     replacing: GemmaServingWeights | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> GemmaServingWeights:
     """The serving layout of checkpoint-layout weights, placed with `shardings` and cast to `dtype`, one layer
     at a time (`common.serving_layers`), the linear weights quantized to `quantization`; `replacing`: serving
@@ -407,8 +411,8 @@ def to_serving(
     )
 
     def top(name: str) -> Any:
-        value = getattr(weights, name)
-        placed = None if value is None else place(value, getattr(shardings, name, None), dtype)
+        value, sharding = getattr(weights, name), getattr(shardings, name, None)
+        placed = place_lm_head(value, sharding, dtype, quantize_lm_head and name == "lm_head")
         if replacing is not None:
             delete_arrays(getattr(replacing, name))
         return placed
@@ -606,6 +610,6 @@ def compute_logits(weights: GemmaServingWeights, hidden: Float[Array, "T D"], cf
     if weights.lm_head is None:
         logits = jnp.einsum("td,vd->tv", hidden, weights.embed, preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("td,dv->tv", hidden, weights.lm_head, preferred_element_type=jnp.float32)
+        logits = linear("td,dv->tv", hidden, weights.lm_head, out_dtype=jnp.float32)  # an Fp8Weight too
     cap = cfg.final_logit_soft_cap
     return logits if cap is None else jnp.tanh(logits / cap) * cap

@@ -40,14 +40,13 @@ from jaxserve.models.common import (
     check_config_keys,
     delete_arrays,
     gated_mlp,
-    place,
     rms_norm,
     rope_frequencies,
     serving_layers,
     split_qkv,
 )
 from jaxserve.models.layers import LayerAttention
-from jaxserve.models.quant import linear, quantize_layer, quantize_layer_specs
+from jaxserve.models.quant import linear, lm_head_spec, place_lm_head, quantize_layer, quantize_layer_specs
 from jaxserve.sharding.rules import layer_shardings
 
 # Hugging Face defaults for keys a config.json may omit, per model_type.
@@ -297,7 +296,7 @@ def param_specs(cfg: LlamaConfig) -> LlamaWeights:
     )
 
 
-def serving_specs(cfg: LlamaConfig, quantization: str | None = None) -> ServingWeights:
+def serving_specs(cfg: LlamaConfig, quantization: str | None = None, quantize_lm_head: bool = False) -> ServingWeights:
     """The serving layout with a ParamSpec at every leaf (the sharding rules split kv_heads, mlp, vocab); the
     linear weights as `quantization` stores them (`quant.Fp8Weight` of values and scale specs)."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -319,7 +318,9 @@ def serving_specs(cfg: LlamaConfig, quantization: str | None = None) -> ServingW
         embed=ParamSpec((v, d), ("vocab", "embed")),
         layers=(quantize_layer_specs(layer, quantization),) * cfg.num_layers,
         final_norm=ParamSpec((d,), ("embed",)),
-        lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")),
+        lm_head=lm_head_spec(
+            None if cfg.tie_word_embeddings else ParamSpec((d, v), ("embed", "vocab")), quantization, quantize_lm_head
+        ),
     )
 
 
@@ -330,6 +331,7 @@ def to_serving(
     dtype: Any = None,
     replacing: ServingWeights | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> ServingWeights:
     """The serving layout of checkpoint-layout weights (numpy or jax arrays), placed with `shardings`
     (a tree of NamedSharding, or None for the default device) and cast to `dtype` (None: as they are), the
@@ -350,8 +352,8 @@ def to_serving(
     )
 
     def top(name: str) -> Any:
-        value = getattr(weights, name)
-        placed = None if value is None else place(value, getattr(shardings, name, None), dtype)
+        value, sharding = getattr(weights, name), getattr(shardings, name, None)
+        placed = place_lm_head(value, sharding, dtype, quantize_lm_head and name == "lm_head")
         if replacing is not None:
             delete_arrays(getattr(replacing, name))
         return placed
@@ -540,4 +542,4 @@ def compute_logits(weights: ServingWeights, hidden: Float[Array, "T D"], cfg: Ll
     del cfg  # same signature as families that soft-cap their logits
     if weights.lm_head is None:
         return jnp.einsum("td,vd->tv", hidden, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("td,dv->tv", hidden, weights.lm_head, preferred_element_type=jnp.float32)
+    return linear("td,dv->tv", hidden, weights.lm_head, out_dtype=jnp.float32)  # an Fp8Weight too

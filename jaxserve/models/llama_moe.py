@@ -38,14 +38,13 @@ from jaxserve.models.common import (
     ConfigKey,
     check_config_keys,
     delete_arrays,
-    place,
     rms_norm,
     rope_frequencies,
     take_layer,
 )
 from jaxserve.models.layers import LayerAttention, LayerMlp
 from jaxserve.models.llama import LlamaConfig
-from jaxserve.models.quant import quantize_layer, quantize_layer_specs
+from jaxserve.models.quant import lm_head_spec, place_lm_head, quantize_layer, quantize_layer_specs
 from jaxserve.sharding.rules import Rules, layer_shardings
 
 # The Hugging Face architectures this family runs -> their model_type.
@@ -301,7 +300,7 @@ def param_specs(cfg: MoeConfig) -> MoeWeights:
     )
 
 
-def serving_specs(cfg: MoeConfig, quantization: str | None = None) -> MoeServingWeights:
+def serving_specs(cfg: MoeConfig, quantization: str | None = None, quantize_lm_head: bool = False) -> MoeServingWeights:
     """The serving layout with a ParamSpec at every leaf (the rules table splits kv_heads, mlp, experts, vocab); the
     linear weights and expert stacks as `quantization` stores them."""
     dense = llama.serving_specs(cfg.base)
@@ -310,7 +309,8 @@ def serving_specs(cfg: MoeConfig, quantization: str | None = None) -> MoeServing
         quantize_layer_specs(MoeServingLayer(**attention, mlp=moe.mlp_specs(cfg.hidden_size, mlp)), quantization)
         for mlp in cfg.mlp_layers
     )
-    return MoeServingWeights(dense.embed, layers, dense.final_norm, dense.lm_head)
+    lm_head = lm_head_spec(dense.lm_head, quantization, quantize_lm_head)
+    return MoeServingWeights(dense.embed, layers, dense.final_norm, lm_head)
 
 
 def to_serving(
@@ -320,6 +320,7 @@ def to_serving(
     dtype: Any = None,
     replacing: MoeServingWeights | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> MoeServingWeights:
     """The serving layout of checkpoint-layout weights, placed with `shardings` and cast to `dtype`, one layer at a
     time, the linear weights quantized to `quantization` (llama.to_serving says why and how; `replacing`: serving
@@ -345,8 +346,8 @@ def to_serving(
             delete_arrays(replacing.layers[i])
 
     def top(name: str) -> Any:
-        value = getattr(weights, name)
-        placed = None if value is None else place(value, getattr(shardings, name, None), dtype)
+        value, sharding = getattr(weights, name), getattr(shardings, name, None)
+        placed = place_lm_head(value, sharding, dtype, quantize_lm_head and name == "lm_head")
         if replacing is not None:
             delete_arrays(getattr(replacing, name))
         return placed

@@ -21,6 +21,7 @@ Legend beyond docs' (STYLE.md): *in / *out the contracted and kept axes of a wei
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -118,14 +119,14 @@ def quantize_rows(x: Array, num_in_axes: int) -> tuple[Array, Float[Array, "..."
     return values, scale
 
 
-def linear(spec: str, x: Array, w: Array | Fp8Weight) -> Array:
-    """jnp.einsum(spec, x, w) in x's dtype, for a plain weight or an `Fp8Weight` (then the FP8 product above).
-    `spec` contracts w's leading axes with x's trailing ones and keeps x's leading axes first, then w's
-    trailing ones, e.g. "td,dkge->tkge" or "the,hed->td". An `Fp8Weight` is contracted on its stored values'
-    trailing axes in order (dot_general with no transpose of either operand: XLA hands both to the GEMM as
-    they lie)."""
+def linear(spec: str, x: Array, w: Array | Fp8Weight, out_dtype: Any = None) -> Array:
+    """jnp.einsum(spec, x, w) in `out_dtype` (None: x's dtype; float32 for logits), for a plain weight or an
+    `Fp8Weight` (then the FP8 product above). `spec` contracts w's leading axes with x's trailing ones and keeps
+    x's leading axes first, then w's trailing ones, e.g. "td,dkge->tkge" or "the,hed->td". An `Fp8Weight` is
+    contracted on its stored values' trailing axes in order (dot_general with no transpose of either operand:
+    XLA hands both to the GEMM as they lie)."""
     if not isinstance(w, Fp8Weight):
-        return jnp.einsum(spec, x, w)
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     num_in = w.num_in_axes
     rows = x.ndim - num_in
     x_in = tuple(range(rows, x.ndim))
@@ -137,7 +138,42 @@ def linear(spec: str, x: Array, w: Array | Fp8Weight) -> Array:
     xq, x_scale = quantize_rows(x, num_in)
     out = jax.lax.dot_general(xq, w.values, ((x_in, w_in), ((), ())), preferred_element_type=jnp.float32)
     x_scale = x_scale.reshape(x_scale.shape + (1,) * w.scale.ndim)
-    return (out * x_scale * w.scale).astype(x.dtype)
+    return (out * x_scale * w.scale).astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def check_lm_head_quantization(tied: bool, quantization: str | None, quantize_lm_head: bool) -> None:
+    """ValueError unless quantize_lm_head is off, or on with a quantization and an untied lm_head."""
+    if not quantize_lm_head:
+        return
+    if quantization is None:
+        raise ValueError("quantize_lm_head=True needs quantization='fp8' (the lm_head is quantized as the linears are)")
+    if tied:
+        raise ValueError(
+            "quantize_lm_head=True: this model ties its lm_head to the embedding (tie_word_embeddings), which stays "
+            "in the serving dtype; only an untied lm_head is quantized"
+        )
+
+
+def lm_head_spec(spec: Any, quantization: str | None, quantize_lm_head: bool) -> Any:
+    """The serving spec of a family's lm_head ([D, V], None when tied): as it is, or its FP8 pair (values [V, D],
+    scale [V]: a scale per vocabulary entry) with quantize_lm_head."""
+    check_lm_head_quantization(spec is None, quantization, quantize_lm_head)
+    return quantized_spec(spec, 1) if quantize_lm_head else spec
+
+
+def place_lm_head(value: Any, sharding: Any, dtype: Any, quantize_lm_head: bool) -> Any:
+    """A family's lm_head on the device: placed as `common.place` places it, or with quantize_lm_head quantized
+    on the device from its source values into an `Fp8Weight` with `sharding` (its values' and scale's)."""
+    from jaxserve.models.common import place
+
+    if value is None or not quantize_lm_head:
+        return None if value is None else place(value, sharding, dtype)
+    return _lm_head_quantizer(sharding)(value)
+
+
+@functools.lru_cache(maxsize=16)
+def _lm_head_quantizer(sharding: Any) -> Any:
+    return jax.jit(lambda w: quantize(w, 1), out_shardings=sharding)
 
 
 def quantized_spec(spec: Any, num_in_axes: int) -> Fp8Weight:

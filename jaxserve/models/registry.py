@@ -40,9 +40,9 @@ class ModelFamily(Protocol):
     def param_specs(self, cfg: Any) -> Any:
         """The weights tree with a ParamSpec (shape, logical axes) at every leaf."""
 
-    def serving_specs(self, cfg: Any, quantization: str | None = None) -> Any:
+    def serving_specs(self, cfg: Any, quantization: str | None = None, quantize_lm_head: bool = False) -> Any:
         """The serving layout (what `forward` reads) with a ParamSpec at every leaf; the linear weights' specs
-        as `quantization` stores them (`models/quant.py`)."""
+        as `quantization` stores them (`models/quant.py`), an untied lm_head's too with quantize_lm_head."""
 
     def to_serving(
         self,
@@ -52,10 +52,11 @@ class ModelFamily(Protocol):
         dtype: Any = None,
         replacing: Any = None,
         quantization: str | None = None,
+        quantize_lm_head: bool = False,
     ) -> Any:
         """Checkpoint-layout weights in the serving layout, placed with `shardings`, cast to `dtype`, the linear
-        weights quantized to `quantization`; `replacing`'s buffers (serving weights being updated) are deleted
-        as the new ones are built."""
+        weights (and with quantize_lm_head an untied lm_head) quantized to `quantization`; `replacing`'s buffers
+        (serving weights being updated) are deleted as the new ones are built."""
 
     def checkpoint_rules(self, cfg: Any) -> list[CheckpointRule]:
         """Hugging Face tensor names -> weight fields."""

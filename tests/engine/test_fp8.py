@@ -157,3 +157,41 @@ def test_from_params_serves_in_fp8(tiny_model, char_tokenizer):
     want = generate_dense(model.family, model.config, model.weights, prompts, NEW_TOKENS, quantization="fp8")
     assert [o.outputs[0].token_ids for o in outputs] == want
     llm.close()
+
+
+def test_an_fp8_lm_head_serves_the_dense_references_tokens_and_updates_in_place(tiny_model, make_llm, record_compiles):
+    """quantize_lm_head=True: the untied lm_head in FP8 (values [V, D], a scale per vocabulary entry), the logits'
+    product the same FP8 one as the linears'; the engine gives the dense reference's tokens with the same option,
+    and update_weights quantizes the new lm_head in place without compiling."""
+    model = tiny_model("llama")
+    assert not model.config.tie_word_embeddings
+    llm = make_llm(model, compile_config=BUCKETS, quantization="fp8", quantize_lm_head=True)
+    lm_head = llm.engine.runner.weights.arrays.lm_head
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    assert isinstance(lm_head, quant.Fp8Weight) and lm_head.values.shape == (vocab, hidden)
+    assert lm_head.values.dtype == jax.numpy.float8_e4m3fn and lm_head.scale.shape == (vocab,)
+    prompts = _prompts(seed=8)[:4]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    options = dict(quantization="fp8", quantize_lm_head=True)
+    want = generate_dense(model.family, model.config, model.weights, prompts, NEW_TOKENS, **options)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    new = tiny_model("llama", seed=9)
+    with record_compiles() as compiled:
+        llm.update_weights(new.weights)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert compiled == []
+    assert lm_head.values.is_deleted()  # replaced, not kept beside the new one
+    want = generate_dense(new.family, new.config, new.weights, prompts, NEW_TOKENS, **options)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    llm.close()
+
+
+def test_a_quantized_lm_head_needs_fp8_and_an_untied_head(tiny_model, make_llm):
+    with pytest.raises(ValueError, match=r"quantize_lm_head=True needs quantization='fp8'"):
+        make_llm(tiny_model("llama"), compile_config=BUCKETS, quantize_lm_head=True)
+    with pytest.raises(ValueError, match="ties its lm_head to the embedding"):
+        make_llm(tiny_model("gemma3"), compile_config=BUCKETS, quantization="fp8", quantize_lm_head=True)
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantize_lm_head must be a bool"):
+        EngineConfig(max_batch_size=1, max_num_tokens=8, max_seq_len=8, quantization="fp8", quantize_lm_head=1)

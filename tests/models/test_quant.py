@@ -207,6 +207,27 @@ def test_expert_stacks_quantize_per_expert_and_output_channel():
         quant.quantize_experts(jnp.ones((4, 4)))
 
 
+def test_an_untied_lm_head_quantizes_per_vocabulary_entry_and_stays_close():
+    family, cfg = _tiny(llama, {})
+    weights = family.init_weights(cfg, jax.random.key(1), jnp.float32)
+    fp8 = family.to_serving(weights, cfg, quantization="fp8")
+    with_head = family.to_serving(weights, cfg, quantization="fp8", quantize_lm_head=True)
+    specs = family.serving_specs(cfg, quantization="fp8", quantize_lm_head=True)
+    assert specs.lm_head.values == ParamSpec((96, 64), ("vocab", "embed"))
+    assert specs.lm_head.scale == ParamSpec((96,), ("vocab",))
+    head = with_head.lm_head
+    assert isinstance(head, quant.Fp8Weight) and head.values.shape == (96, 64) and head.scale.shape == (96,)
+    np.testing.assert_allclose(head.scale, np.abs(np.asarray(weights.lm_head)).max(axis=0) / 448, rtol=1e-6)
+    tokens = [3, 17, 42, 9, 60, 1, 88, 25]
+    want, got = _logits(family, cfg, fp8, tokens), _logits(family, cfg, with_head, tokens)
+    assert got.dtype == np.float32
+    rel_rms = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
+    assert 0 < rel_rms <= 0.06, rel_rms  # one more FP8 product: ~3.5% relative RMS
+    with pytest.raises(ValueError, match="ties its lm_head"):
+        gemma_family, gemma_cfg = _tiny(*FAMILIES["gemma3"])
+        gemma_family.serving_specs(gemma_cfg, quantization="fp8", quantize_lm_head=True)
+
+
 def test_fp8_kv_values_clip_to_e4m3_range():
     """An FP8 KV cache's writes saturate at +-448 (e4m3fn has no infinity: a plain cast would give NaN)."""
     from jaxserve.models.attention import to_cache

@@ -1,5 +1,6 @@
 """FP8 weights and an FP8 KV cache under tensor parallelism: an engine on a tp=2 CPU mesh (each FP8 weight's values
-and its per-channel scales split with their output channels by the rules table, the FP8 pool split over kv heads)
+and its per-channel scales split with their output channels by the rules table, the FP8 lm_head and its scale
+over the vocabulary, the FP8 pool split over kv heads)
 gives the single-device engine's greedy tokens, with preemption and prefix hits in the batch.
 
 jax fixes its device count when it starts, so the check runs in a fresh process with two host devices.
@@ -36,7 +37,7 @@ CHECK = textwrap.dedent(
                   max_num_tokens=32, kv_cache_config=KvCacheConfig(max_tokens=96, dtype="fp8"),
                   scheduler_config=SchedulerConfig(capacity_policy=CapacityPolicy.MAX_UTILIZATION),
                   compile_config=CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
-                  attention_backend="xla", quantization="fp8", show_progress=False)
+                  attention_backend="xla", quantization="fp8", quantize_lm_head=True, show_progress=False)
         out = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
         tokens[tp] = [o.outputs[0].token_ids for o in out]
         wqkv = llm.engine.runner.weights.arrays.layers[0].wqkv
@@ -45,6 +46,9 @@ CHECK = textwrap.dedent(
                       list(wqkv.scale.sharding.shard_shape(wqkv.scale.shape)),
                       str(llm.engine.runner.kv_cache.k.dtype),
                       sum(s.num_preempted for s in llm.step_stats)]
+        head = llm.engine.runner.weights.arrays.lm_head
+        shards[tp].append([list(head.values.sharding.shard_shape(head.values.shape)),
+                           list(head.scale.sharding.shard_shape(head.scale.shape))])
         llm.close()
     print(json.dumps({"tokens": tokens, "shards": shards}))
     """
@@ -59,3 +63,5 @@ def test_fp8_engine_on_a_tp2_mesh_gives_one_devices_tokens(run_with_host_devices
     assert result["shards"]["2"][:3] == [[2, 4, 8, 64], [2, 4, 8], "float8_e4m3fn"]
     assert result["shards"]["1"][:2] == [[4, 4, 8, 64], [4, 4, 8]]
     assert result["shards"]["2"][3] > 0, "the pool was meant to force preemption"
+    # The FP8 lm_head (values [V, D], scale [V]) split over the vocabulary, its scale with its rows.
+    assert result["shards"]["2"][4] == [[80, 64], [80]] and result["shards"]["1"][4] == [[160, 64], [160]]
