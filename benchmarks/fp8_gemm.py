@@ -9,6 +9,8 @@ Per (shape, rows), microseconds:
 - "fp8 [K,N]" / "fp8 [N,K]": the FP8 x FP8 product (rows quantized per token, e4m3 x e4m3 with float32
   accumulation, both scales) with the weight stored [K, N] or output-major [N, K] (cuBLASLt's FP8 GEMM wants
   its second operand K-major: the [K, N] weight is transposed on every call).
+- "fp8 [N,K] bf16 out": the same product with the GEMM's result in bfloat16 before the scales (the float32
+  [rows, N] intermediate is what the large row counts pay for beyond their floor).
 - "xla w-only": bf16 x times the [N, K] FP8 weight converted to bf16 inside the jit (whether XLA fuses the
   conversion into its GEMM's loads decides the bytes it reads).
 Floors: the weight's bytes (2 a value bf16, 1 FP8) and the activations at the measured copy rate, or the flops at
@@ -32,11 +34,13 @@ from jaxserve.models import quant
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 
 
-def fp8_product(x, values, scale, layout: str):
+def fp8_product(x, values, scale, layout: str, acc_out=jnp.float32):
+    """The FP8 x FP8 product with the weight [K, N] ("kn") or [N, K] ("nk"); acc_out: the GEMM's output type
+    before the scales (float32 as `quant.linear`; bfloat16 halves the bytes of that intermediate)."""
     xq, xs = quant.quantize_rows(x, 1)
     dims = (((1,), (0,)), ((), ())) if layout == "kn" else (((1,), (1,)), ((), ()))
-    out = jax.lax.dot_general(xq, values, dims, preferred_element_type=jnp.float32)
-    return (out * xs[:, None] * scale).astype(x.dtype)
+    out = jax.lax.dot_general(xq, values, dims, preferred_element_type=acc_out)
+    return (out.astype(jnp.float32) * xs[:, None] * scale).astype(x.dtype)
 
 
 def weight_only(x, values, scale):
@@ -74,10 +78,11 @@ def main() -> int:
         f"{ceil['matmul_TFLOPs']:.0f} TFLOP/s, FP8 matmul {fp8_rate:.0f} TFLOP/s"
     )
     print(
-        "| shape | rows | bf16 | fp8 [K,N] | fp8 [N,K] | xla w-only | fp8 [N,K] / bf16 | bf16 floor | fp8 floor "
-        "| fp8 err |"
+        "| shape | rows | bf16 | fp8 [K,N] | fp8 [N,K] | fp8 [N,K] bf16 out | xla w-only | fp8 [N,K] / bf16 "
+        "| bf16 floor | fp8 floor "
+        "| fp8 err | bf16-out err |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     key = jax.random.key(0)
     for name, k_dim, n_dim in SHAPES:
         w = jax.random.normal(key, (k_dim, n_dim), jnp.float32) / np.sqrt(k_dim)
@@ -92,11 +97,16 @@ def main() -> int:
                 "kn": time_calls(lambda x, v, s: fp8_product(x, v, s, "kn"), [(x, values_kn, q.scale)], reps),
                 "nk": time_calls(lambda x, v, s: fp8_product(x, v, s, "nk"), [(x, q.values, q.scale)], reps),
                 "wo": time_calls(weight_only, [(x, q.values, q.scale)], reps),
+                "nk16": time_calls(
+                    lambda x, v, s: fp8_product(x, v, s, "nk", jnp.bfloat16), [(x, q.values, q.scale)], reps
+                ),
             }
             got = fp8_product(x, q.values, q.scale, "nk").astype(jnp.float32)
             xq, xs = quant.quantize_rows(x, 1)
             want = (xq.astype(jnp.float32) * xs[:, None]) @ q.dequantize()
             err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+            got16 = fp8_product(x, q.values, q.scale, "nk", jnp.bfloat16).astype(jnp.float32)
+            err16 = float(jnp.abs(got16 - want).max() / jnp.abs(want).max())
             n_w = k_dim * n_dim
             act = rows * (k_dim + n_dim) * 2
             flops = 2 * rows * n_w
@@ -104,8 +114,9 @@ def main() -> int:
             floor_fp8 = max((n_w + act) / ceil["copy_TBps"] / 1e12, flops / fp8_rate / 1e12)
             us = {k: f"{v * 1e6:.1f}" for k, v in t.items()}
             print(
-                f"| {name} | {rows} | {us['bf16']} | {us['kn']} | {us['nk']} | {us['wo']} | "
-                f"{t['nk'] / t['bf16']:.2f} | {floor_bf16 * 1e6:.1f} | {floor_fp8 * 1e6:.1f} | {err:.1e} |",
+                f"| {name} | {rows} | {us['bf16']} | {us['kn']} | {us['nk']} | {us['nk16']} | {us['wo']} | "
+                f"{t['nk'] / t['bf16']:.2f} | {floor_bf16 * 1e6:.1f} | {floor_fp8 * 1e6:.1f} | {err:.1e} | "
+                f"{err16:.1e} |",
                 flush=True,
             )
         kn = [lowering(lambda x, v, s: fp8_product(x, v, s, "kn"), _x(r, k_dim), values_kn, q.scale) for r in (1, 1024)]

@@ -12,8 +12,9 @@
 #   bash benchmarks/gpu_engine.sh moe         # qwen3-30b-a3b (MODEL=mixtral-8x7b etc.): the MoE layer's pieces
 #                                             # (moe_layer_profile.py), batch 1, 1024 x 128/128; moe_long: 512 x 1000/1000;
 #                                             # moe_fp8: batch 1 and 1024 x 128/128 in FP8 (experts too) + FP8 KV
-#   bash benchmarks/gpu_engine.sh fp8         # fp8_gemm.py, then batch 1 in bf16 and in FP8 weights + FP8 KV;
-#                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV
+#   bash benchmarks/gpu_engine.sh fp8         # batch 1 in bf16 and in FP8 weights + FP8 KV, one start;
+#                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV;
+#                                             # fp8_gemm: fp8_gemm.py's table (the products by layout, ~5 min)
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -97,8 +98,10 @@ case "${1:-}" in
     M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
     bench_run moe_t512_1000_1000 560 throughput --random-weights $M --num-requests 512 --input-len 1000 --output-len 1000 --max-seq-len 2176
     ;;
-  fp8)  # the FP8 linear against bf16 at the 8B's shapes, then batch 1 in bf16 and FP8 (weights + KV), same start
-    (cd benchmarks && timeout 150 python3 fp8_gemm.py)
+  fp8_gemm)  # the FP8 products against bf16 at the 8B's shapes, by weight layout and output type
+    (cd benchmarks && timeout 560 python3 fp8_gemm.py)
+    ;;
+  fp8)  # batch 1 in bf16 and in FP8 (weights + KV), same start
     bench_run latency_b1_bf16 150 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3
     bench_run latency_b1_fp8 150 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3 --quantization fp8 --kv-cache-dtype fp8
     ;;
@@ -146,5 +149,5 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|fp8_gemm|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac
