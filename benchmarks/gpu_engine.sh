@@ -12,7 +12,7 @@
 #   bash benchmarks/gpu_engine.sh moe         # qwen3-30b-a3b (MODEL=mixtral-8x7b etc.): the MoE layer's pieces
 #                                             # (moe_layer_profile.py), batch 1, 1024 x 128/128; moe_long: 512 x 1000/1000;
 #                                             # moe_fp8: batch 1 and 1024 x 128/128 in FP8 (experts too) + FP8 KV
-#   bash benchmarks/gpu_engine.sh fp8         # batch 1 in bf16 and in FP8 weights + FP8 KV, one start;
+#   bash benchmarks/gpu_engine.sh fp8         # batch 1 in bf16, FP8 weights + FP8 KV, and --quantize-lm-head;
 #                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV;
 #                                             # fp8_gemm: fp8_gemm.py's table (the products by layout, ~5 min)
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
@@ -101,9 +101,11 @@ case "${1:-}" in
   fp8_gemm)  # the FP8 products against bf16 at the 8B's shapes, by weight layout and output type
     (cd benchmarks && timeout 560 python3 fp8_gemm.py)
     ;;
-  fp8)  # batch 1 in bf16 and in FP8 (weights + KV), same start
-    bench_run latency_b1_bf16 150 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3
-    bench_run latency_b1_fp8 150 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3 --quantization fp8 --kv-cache-dtype fp8
+  fp8)  # batch 1 in bf16, in FP8 (weights + KV) and with the lm_head in FP8 too, same start
+    B1=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
+    bench_run latency_b1_bf16 150 "${B1[@]}"
+    bench_run latency_b1_fp8 150 "${B1[@]}" --quantization fp8 --kv-cache-dtype fp8
+    bench_run latency_b1_fp8_head 150 "${B1[@]}" --quantization fp8 --kv-cache-dtype fp8 --quantize-lm-head
     ;;
   fp8_throughput)  # 1024 x 128/128 with FP8 weights and KV (the bf16 figure: `throughput` on the same start)
     bench_run t1024_fp8 400 throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128 --quantization fp8 --kv-cache-dtype fp8
