@@ -207,8 +207,10 @@ def test_expert_stacks_quantize_per_expert_and_output_channel():
         quant.quantize_experts(jnp.ones((4, 4)))
 
 
-def test_an_untied_lm_head_quantizes_per_vocabulary_entry_and_stays_close():
-    family, cfg = _tiny(llama, {})
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_an_untied_lm_head_quantizes_per_vocabulary_entry_and_stays_close(name):
+    family_module, extra = FAMILIES[name]
+    family, cfg = _tiny(family_module, {**extra, "tie_word_embeddings": False})  # Gemma ties by default
     weights = family.init_weights(cfg, jax.random.key(1), jnp.float32)
     fp8 = family.to_serving(weights, cfg, quantization="fp8")
     with_head = family.to_serving(weights, cfg, quantization="fp8", quantize_lm_head=True)
@@ -223,9 +225,11 @@ def test_an_untied_lm_head_quantizes_per_vocabulary_entry_and_stays_close():
     assert got.dtype == np.float32
     rel_rms = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
     assert 0 < rel_rms <= 0.06, rel_rms  # one more FP8 product: ~3.5% relative RMS
+    tied_family, tied_cfg = _tiny(family_module, {**extra, "tie_word_embeddings": True})
     with pytest.raises(ValueError, match="ties its lm_head"):
-        gemma_family, gemma_cfg = _tiny(*FAMILIES["gemma3"])
-        gemma_family.serving_specs(gemma_cfg, quantization="fp8", quantize_lm_head=True)
+        tied_family.serving_specs(tied_cfg, quantization="fp8", quantize_lm_head=True)
+    with pytest.raises(ValueError, match="needs quantization='fp8'"):
+        family.serving_specs(cfg, quantize_lm_head=True)
 
 
 def test_fp8_kv_values_clip_to_e4m3_range():
