@@ -58,12 +58,10 @@ def grouped_matmul_reference(
 ) -> Float[Array, "R Dout"]:
     """`jax.lax.ragged_dot` (float32 operands at IEEE precision, as the kernel's dots); an FP8 rhs with its
     rhs_scale dequantized to float32 first, the product in float32 cast to lhs's dtype."""
-    if rhs_scale is None:
-        return lax.ragged_dot(lhs, rhs, group_sizes, precision=lax.Precision.HIGHEST)
-    out = lax.ragged_dot(
-        lhs.astype(jnp.float32), dequantized(rhs, rhs_scale), group_sizes, precision=lax.Precision.HIGHEST
-    )
-    return out.astype(lhs.dtype)
+    dtype = lhs.dtype
+    if rhs_scale is not None:
+        lhs, rhs = lhs.astype(jnp.float32), dequantized(rhs, rhs_scale)
+    return lax.ragged_dot(lhs, rhs, group_sizes, precision=lax.Precision.HIGHEST).astype(dtype)
 
 
 def grouped_gate_up_reference(
@@ -75,18 +73,13 @@ def grouped_gate_up_reference(
     """silu(gate) * up in float32, cast to lhs's dtype, from one ragged_dot over rhs flattened to [E, D, 2F]
     (gate = rhs[:, :, 0], up = rhs[:, :, 1]); an FP8 rhs with its rhs_scale dequantized to float32 first."""
     e, d, _, f = rhs.shape
+    dtype = lhs.dtype
     if rhs_scale is not None:
-        lhs_f32, rhs = lhs.astype(jnp.float32), dequantized(rhs, rhs_scale)
-    else:
-        lhs_f32 = lhs
+        lhs, rhs = lhs.astype(jnp.float32), dequantized(rhs, rhs_scale)
     both = lax.ragged_dot(
-        lhs_f32,
-        rhs.reshape(e, d, 2 * f),
-        group_sizes,
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
+        lhs, rhs.reshape(e, d, 2 * f), group_sizes, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
-    return (jax.nn.silu(both[:, :f]) * both[:, f:]).astype(lhs.dtype)
+    return (jax.nn.silu(both[:, :f]) * both[:, f:]).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from jaxserve.models.common import (
     split_qkv,
 )
 from jaxserve.models.layers import LayerAttention
-from jaxserve.models.quant import linear, lm_head_spec, place_lm_head, quantize_layer, quantize_layer_specs
+from jaxserve.models.quant import linear, lm_head_spec, place_or_quantize, quantize_layer, quantize_layer_specs
 from jaxserve.sharding.rules import layer_shardings
 
 # Hugging Face defaults for keys a config.json may omit, per model_type.
@@ -353,7 +353,7 @@ def to_serving(
 
     def top(name: str) -> Any:
         value, sharding = getattr(weights, name), getattr(shardings, name, None)
-        placed = place_lm_head(value, sharding, dtype, quantize_lm_head and name == "lm_head")
+        placed = place_or_quantize(value, sharding, dtype, quantize_lm_head and name == "lm_head")
         if replacing is not None:
             delete_arrays(getattr(replacing, name))
         return placed

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxserve.kernels.moe import dequantized
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero channel or row keeps a finite scale (its values are zeros either way)
@@ -77,7 +79,12 @@ class Fp8Experts:
 
     def dequantize(self, dtype=jnp.float32) -> Array:
         """values * scale in `dtype` (the xla backend's and the dense reference's operand; the tests' float32)."""
-        return (self.values.astype(jnp.float32) * jnp.expand_dims(self.scale, 1)).astype(dtype)
+        return dequantized(self.values, self.scale).astype(dtype)
+
+
+def _scale(amax: Array) -> Array:
+    """The e4m3 scale of values whose largest magnitude is amax: amax maps to 448, e4m3's largest finite value."""
+    return jnp.maximum(amax / FP8_MAX, _MIN_SCALE)
 
 
 def quantize_experts(w: Array) -> Fp8Experts:
@@ -86,7 +93,7 @@ def quantize_experts(w: Array) -> Fp8Experts:
     if w.ndim < 3:
         raise ValueError(f"an expert stack is [E, Din, *out], got shape {w.shape}")
     w = w.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1) / FP8_MAX, _MIN_SCALE)
+    scale = _scale(jnp.max(jnp.abs(w), axis=1))
     return Fp8Experts(values=(w / jnp.expand_dims(scale, 1)).astype(FP8_DTYPE), scale=scale)
 
 
@@ -104,8 +111,7 @@ def quantize(w: Array, num_in_axes: int) -> Fp8Weight:
     if not 1 <= num_in_axes < w.ndim:
         raise ValueError(f"num_in_axes must be in [1, {w.ndim - 1}] for a weight of shape {w.shape}, got {num_in_axes}")
     w = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=tuple(range(num_in_axes)))
-    scale = jnp.maximum(amax / FP8_MAX, _MIN_SCALE)
+    scale = _scale(jnp.max(jnp.abs(w), axis=tuple(range(num_in_axes))))
     return Fp8Weight(values=stored_order((w / scale).astype(FP8_DTYPE), num_in_axes), scale=scale)
 
 
@@ -114,7 +120,7 @@ def quantize_rows(x: Array, num_in_axes: int) -> tuple[Array, Float[Array, "..."
     over the trailing num_in_axes axes / 448), the scale shaped [*rows]."""
     axes = tuple(range(x.ndim - num_in_axes, x.ndim))
     x = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=axes) / FP8_MAX, _MIN_SCALE)
+    scale = _scale(jnp.max(jnp.abs(x), axis=axes))
     values = (x / jnp.expand_dims(scale, axes)).astype(FP8_DTYPE)
     return values, scale
 
@@ -161,12 +167,14 @@ def lm_head_spec(spec: Any, quantization: str | None, quantize_lm_head: bool) ->
     return quantized_spec(spec, 1) if quantize_lm_head else spec
 
 
-def place_lm_head(value: Any, sharding: Any, dtype: Any, quantize_lm_head: bool) -> Any:
-    """A family's lm_head on the device: placed as `common.place` places it, or with quantize_lm_head quantized
-    on the device from its source values into an `Fp8Weight` with `sharding` (its values' and scale's)."""
-    from jaxserve.models.common import place
+def place_or_quantize(value: Any, sharding: Any, dtype: Any, quantize: bool) -> Any:
+    """A family's top-level weight (embed, final_norm, lm_head; None stays None) on the device: placed as
+    `common.place` places it, or with `quantize` (an untied lm_head under quantize_lm_head) quantized on the device
+    from its source values as a linear of one input axis, into an `Fp8Weight` with `sharding` (its values' and
+    scale's)."""
+    from jaxserve.models.common import place  # common imports this module
 
-    if value is None or not quantize_lm_head:
+    if value is None or not quantize:
         return None if value is None else place(value, sharding, dtype)
     return _lm_head_quantizer(sharding)(value)
 

@@ -111,14 +111,13 @@ def test_fp8_checkpoint_loads_its_values_times_its_scales(tmp_path, tiny, method
         model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
 
 
-def test_llm_serves_an_fp8_checkpoint_in_fp8(tmp_path, tiny):
+def _serve(directory: Path):
+    """A small LLM over the checkpoint in `directory` (its quantization as the checkpoint says)."""
     from jaxserve import LLM, CompileConfig
     from jaxserve.bench import TokenIdTokenizer
 
-    config, _, state = tiny
-    write_fp8_checkpoint(tmp_path, config, state, "fp8")
-    llm = LLM(
-        str(tmp_path),
+    return LLM(
+        str(directory),
         tokenizer=TokenIdTokenizer(),
         max_batch_size=2,
         max_seq_len=32,
@@ -126,6 +125,12 @@ def test_llm_serves_an_fp8_checkpoint_in_fp8(tmp_path, tiny):
         compile_config=CompileConfig(decode_batch_sizes=(2,), token_buckets=(32,), penalty_variants=False),
         show_progress=False,
     )
+
+
+def test_llm_serves_an_fp8_checkpoint_in_fp8(tmp_path, tiny):
+    config, _, state = tiny
+    write_fp8_checkpoint(tmp_path, config, state, "fp8")
+    llm = _serve(tmp_path)
     assert llm.config.quantization == "fp8"
     llm.close()
 
@@ -201,8 +206,6 @@ def test_an_fp8_mixture_of_experts_checkpoint_loads_and_serves_its_experts_in_fp
     written plainly, and `LLM` serves it with the linears and the expert stacks in FP8."""
     from safetensors.numpy import load_file
 
-    from jaxserve import LLM, CompileConfig
-    from jaxserve.bench import TokenIdTokenizer
     from jaxserve.models import quant
 
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
@@ -220,15 +223,7 @@ def test_an_fp8_mixture_of_experts_checkpoint_loads_and_serves_its_experts_in_fp
     assert not np.array_equal(
         fp8.weights.experts.w_down[1, 3], state["model.layers.1.mlp.experts.3.down_proj.weight"].T
     )  # the FP8 values, not the originals
-    llm = LLM(
-        str(tmp_path / "fp8"),
-        tokenizer=TokenIdTokenizer(),
-        max_batch_size=2,
-        max_seq_len=32,
-        max_num_tokens=32,
-        compile_config=CompileConfig(decode_batch_sizes=(2,), token_buckets=(32,), penalty_variants=False),
-        show_progress=False,
-    )
+    llm = _serve(tmp_path / "fp8")
     try:
         assert llm.config.quantization == "fp8"
         mlp = llm.engine.runner.weights.arrays.layers[0].mlp
