@@ -32,7 +32,8 @@ HEARTBEAT_S = 5
 # argv: process id, coordinator port, what to do ("tokens" | "forever"), the prompts (JSON).
 SCRIPT = textwrap.dedent(
     f"""
-    import json, sys
+    import faulthandler, json, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung process's stacks, on the test's request
     from jaxserve import distributed
     process_id, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     distributed.initialize(f"127.0.0.1:{{port}}", 2, process_id, heartbeat_timeout_s={HEARTBEAT_S})
@@ -84,9 +85,17 @@ PROMPTS = [np.random.default_rng(0).integers(0, 160, n).tolist() for n in (3, 17
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a client connecting to a port of that range before the
+    coordinator listens on it can be given that very port as its own source port and connect to itself."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for port in np.random.default_rng().permutation(np.arange(max(low - 8192, 1024), low)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", int(port)))
+            except OSError:
+                continue
+            return int(port)
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _env() -> dict[str, str]:
@@ -140,12 +149,9 @@ class _Process:
             if line is not None:
                 self.seen.append(line)
 
-    def report(self, timeout: float = 300) -> dict:
-        """The JSON line the check script printed last, once it has exited with status 0. The timeout guards
-        against a hang: two processes that each start jax and compile an engine took over 120 s on a loaded
-        2-core CI machine, so it is well above that."""
-        status = self.wait(timeout)
-        out = self.text()
+    def report(self) -> dict:
+        """The JSON line the check script printed last; the process has exited with status 0."""
+        status, out = self.popen.returncode, self.text()
         assert status == 0, out[-4000:]
         return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
@@ -153,6 +159,26 @@ class _Process:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+
+
+def _reports(processes: list[_Process], timeout: float = 300) -> list[dict]:
+    """Each process's report once every one has exited. The timeout guards against a hang: two processes that
+    each start jax and compile an engine took over 120 s on a loaded 2-core CI machine, so it is well above
+    that; on a hang every process's Python stacks are in the failure."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in processes:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGUSR1)  # the script's faulthandler prints every thread's stack
+        time.sleep(2)
+        for p in processes:
+            p.kill()
+        outputs = "\n".join(f"--- process {i}:\n{p.text()[-6000:]}" for i, p in enumerate(processes))
+        pytest.fail(f"not every process exited within {timeout} s; their output and stacks:\n{outputs}")
+    return [p.report() for p in processes]
 
 
 def _script(mode: str) -> list[_Process]:
@@ -163,7 +189,7 @@ def _script(mode: str) -> list[_Process]:
 def test_two_processes_give_the_dense_reference_tokens():
     processes = _script("tokens")
     try:
-        leader, follower = (p.report() for p in processes)
+        leader, follower = _reports(processes)
     finally:
         for p in processes:
             p.kill()
