@@ -19,6 +19,7 @@ _EXPORTS = {
     "CompileConfig": "jaxserve.config",
     "CapacityPolicy": "jaxserve.config",
     "Tokenizer": "jaxserve.tokenizer",
+    "LoRARequest": "jaxserve.lora",
 }
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "CompileConfig",
     "CompletionOutput",
     "KvCacheConfig",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
@@ -36,6 +38,7 @@ __all__ = [
 if TYPE_CHECKING:
     from jaxserve.config import CapacityPolicy, CompileConfig, KvCacheConfig, SchedulerConfig
     from jaxserve.llm import LLM
+    from jaxserve.lora import LoRARequest
     from jaxserve.sampling import CompletionOutput, RequestOutput, SamplingParams
     from jaxserve.tokenizer import Tokenizer
 

@@ -182,7 +182,7 @@ class BlockManager:
         full = [g for g, window in enumerate(layout.windows) if window is None]
         sliding = [g for g, window in enumerate(layout.windows) if window is not None]
         hashes: list[bytes] = []
-        parent: bytes | None = None
+        parent = request.cache_root  # a LoRA adapter's blocks hash apart from the base model's and each other's
         tokens = request.token_ids
         longest = 0  # blocks every full group holds (any number when there is no full group)
         for i in range(self._max_reusable_blocks(request)):
@@ -223,7 +223,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hashes: list[bytes] = []
-        parent = request.block_hashes[-1] if request.block_hashes else None
+        parent = request.block_hashes[-1] if request.block_hashes else request.cache_root
         tokens = request.token_ids
         for i in range(len(request.block_hashes), request.num_prompt_tokens // self.block_size):
             parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -338,7 +338,7 @@ class BlockManager:
         groups = self.num_groups
         num_full = min(request.num_computed_tokens, len(tokens)) // self.block_size
         num_full = min(num_full, len(request.block_ids) // groups)
-        parent = request.block_hashes[-1] if request.block_hashes else None
+        parent = request.block_hashes[-1] if request.block_hashes else request.cache_root
         for i in range(len(request.block_hashes), num_full):
             parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             request.block_hashes.append(parent)

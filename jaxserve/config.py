@@ -213,6 +213,19 @@ class CompileConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """LoRA adapters served beside the base model (vLLM's enable_lora options): max_loras adapters on the device at
+    once (each a slot of every targeted linear's table, `jaxserve/models/lora.py`), of rank up to max_lora_rank."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        _require_int("max_loras", self.max_loras, 1)
+        _require_int("max_lora_rank", self.max_lora_rank, 1)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Resolved limits of one engine; build it with `make_engine_config` to get TensorRT-LLM's defaults.
 
@@ -243,6 +256,7 @@ class EngineConfig:
     quantize_lm_head: with quantization, an untied lm_head quantized too (a scale per vocabulary entry; the
         logits' GEMM reads half the bytes). Off by default, as TensorRT-LLM and vLLM leave the lm_head unquantized;
         a tied lm_head (the embedding) is an error.
+    lora: None (no adapters: the steps carry no adapter tables) or the adapters' `LoraConfig`.
     """
 
     max_batch_size: int
@@ -258,6 +272,7 @@ class EngineConfig:
     enable_expert_parallel: bool | None = None
     quantization: str | None = None
     quantize_lm_head: bool = False
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         _require_int("max_batch_size", self.max_batch_size, 1)
@@ -282,6 +297,8 @@ class EngineConfig:
             raise ValueError(f"quantize_lm_head must be a bool, got {self.quantize_lm_head!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head=True needs quantization='fp8' (the lm_head is quantized as the linears)")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"lora must be None or a LoraConfig, got {self.lora!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -370,6 +387,7 @@ def make_engine_config(
     enable_expert_parallel: bool | None = None,
     quantization: str | None = None,
     quantize_lm_head: bool = False,
+    lora: LoraConfig | None = None,
 ) -> EngineConfig:
     """An EngineConfig whose max_seq_len and max_num_tokens follow TensorRT-LLM's inference rules."""
     seq_len = infer_max_seq_len(hf_config, max_seq_len)
@@ -387,4 +405,5 @@ def make_engine_config(
         enable_expert_parallel=enable_expert_parallel,
         quantization=quantization,
         quantize_lm_head=quantize_lm_head,
+        lora=lora,
     )

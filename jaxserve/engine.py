@@ -41,8 +41,9 @@ from jax.sharding import Mesh
 from jaxserve import capacity, distributed
 from jaxserve.block_manager import BlockManager
 from jaxserve.buckets import Bucket, BucketTable
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, LoraConfig
 from jaxserve.kv_layout import KVLayout, kv_layout
+from jaxserve.lora import LoraAdapter
 from jaxserve.models.loader import load_from_pytree
 from jaxserve.models.registry import ModelConfig, ModelFamily
 from jaxserve.outputs import OutputProcessor
@@ -135,6 +136,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stepping = False  # inside step(): an abort from a finaliser waits for the next one
         self._ids = itertools.count()
+        # LoRA adapters this engine may serve: name -> (adapter, one slot's table rows); `load_adapter` adds them.
+        self.adapters: dict[str, tuple[LoraAdapter, Any]] = {}
         self.asleep = False  # sleep() .. wake_up()
         self.closed = False
         _log_ready(self.runner.spec, self.buckets)
@@ -153,8 +156,10 @@ class Engine:
         *,
         stream: bool = False,
         stream_interval: int = 1,
+        lora_name: str | None = None,
     ) -> str:
         """Queues a prompt (text or token ids); raises ValueError on bad input. Returns the request id.
+        lora_name: a loaded adapter's name (`load_adapter`) to serve it with; None: the base model.
 
         stream: `step` reports the request after a step that gives it its first token, then after one that
         brings stream_interval new tokens (over its n samples) since the last report, and once finished;
@@ -164,12 +169,16 @@ class Engine:
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
         params = _checked_params(params, self.steps, len(self.tokenizer.eos_token_ids))
+        adapter = self._adapter(lora_name)
         text, ids = _prompt_ids(prompt, params, self.tokenizer, self.vocab_size)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = frozenset(self.tokenizer.eos_token_ids)
         samples = make_requests(request_id, ids, params, eos_token_ids=eos, prompt=text)
+        for request in samples:
+            if adapter is not None:
+                request.lora_name, request.cache_root = adapter.name, adapter.cache_root
         self.outputs.add(request_id, text, ids, samples, stream=stream, stream_interval=stream_interval)
         for request in samples:
             self.scheduler.add(request)
@@ -201,6 +210,53 @@ class Engine:
         self._refuse_while_busy("update_weights")
         self.runner.weights.update(weights)
         self.block_manager.reset([])
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+
+    def load_adapter(self, adapter: LoraAdapter) -> None:
+        """Makes an adapter servable by name (checked against the model's shapes: a ValueError changes nothing), or
+        replaces the weights of the one of that name: its prefix-cache blocks are never reused (its cache root
+        changes with its version) and, if it holds a slot, the slot is rewritten now. Nothing compiles. Replacing
+        is refused while a request is unfinished."""
+        self._check_open("load_adapter")
+        lora = self._lora_config("load_adapter")
+        rows = self.runner.weights.adapter_rows(adapter.weights, lora.max_lora_rank)
+        if adapter.name in self.adapters:
+            self._refuse_while_busy("replacing an adapter")
+            slot = self.scheduler.lora_slots.slot_of(adapter.name)
+            if slot is not None:
+                self.runner.weights.write_adapter(slot, rows)
+        self.adapters[adapter.name] = (adapter, rows)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets an adapter (its slot zeroed and freed). Refused while a request is unfinished."""
+        self._check_open("unload_adapter")
+        self._adapter(name)
+        self._refuse_while_busy("unloading an adapter")
+        slot = self.scheduler.lora_slots.forget(name)
+        if slot is not None:
+            self.runner.weights.write_adapter(slot, None)
+        del self.adapters[name]
+
+    def _adapter(self, name: str | None) -> LoraAdapter | None:
+        if name is None:
+            return None
+        self._lora_config("a request with a LoRA adapter")
+        if name not in self.adapters:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters)}")
+        return self.adapters[name][0]
+
+    def _lora_config(self, what: str) -> LoraConfig:
+        if self.config.lora is None:
+            raise ValueError(f"{what} needs an engine that serves LoRA adapters: LLM(enable_lora=True, ...)")
+        return self.config.lora
+
+    def _write_adapter_slots(self) -> None:
+        """Writes the slots the scheduler gave to adapters not in them yet (before the step that reads them)."""
+        pending = self.scheduler.lora_slots.pending
+        for slot, name in pending.items():
+            self.runner.weights.write_adapter(slot, self.adapters[name][1])
+        pending.clear()
 
     # ---- device memory between uses: sleep, wake_up, close -----------------------------------------
 
@@ -324,6 +380,8 @@ class Engine:
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight | None:
         start = time.perf_counter()
+        if self.scheduler.lora_slots is not None and self.scheduler.lora_slots.pending:
+            self._write_adapter_slots()
         previous = self._in_flight[-1].batch if self._in_flight else None
         try:
             inputs, bucket, variant = make_step_inputs(batch, previous, self.steps, self._inputs_cache)
@@ -508,7 +566,10 @@ def start_runner(
         quantization=config.quantization,
         quantize_lm_head=config.quantize_lm_head,
         kv_cache_dtype=config.kv_cache.dtype,
+        lora=config.lora,
     )
+    if config.lora is not None and distributed.is_multiprocess():
+        raise ValueError("LoRA adapters (enable_lora) are not served in a multi-process run yet: serve on one host")
     store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
     # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends
     # its steps, the others receive them (`LLM.follow`).

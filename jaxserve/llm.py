@@ -28,8 +28,17 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import capacity, distributed, gpu_client
-from jaxserve.config import DTYPES, CompileConfig, EngineConfig, KvCacheConfig, SchedulerConfig, make_engine_config
+from jaxserve.config import (
+    DTYPES,
+    CompileConfig,
+    EngineConfig,
+    KvCacheConfig,
+    LoraConfig,
+    SchedulerConfig,
+    make_engine_config,
+)
 from jaxserve.engine import Engine, StepStats, model_dtype
+from jaxserve.lora import LoraAdapter, LoRARequest, read_adapter
 from jaxserve.models.hub import DEFAULT_MODEL
 from jaxserve.models.loader import LoadedModel, load_from_pytree, load_model
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
@@ -102,6 +111,11 @@ class LLM:
         float8_e4m3fn with per-output-channel scales, quantized on the device layer by layer as they are placed
         (and again on every `update_weights`), activations quantized per token; `EngineConfig.quantization`.
     quantize_lm_head: with quantization, an untied lm_head in FP8 too (`EngineConfig.quantize_lm_head`).
+    enable_lora / max_loras / max_lora_rank: serve LoRA adapters beside the base model (vLLM's options): up to
+        max_loras adapters on the device at once, of rank up to max_lora_rank, each request with its own
+        (`generate(..., lora_request=LoRARequest(name, id, path))`, `load_lora`, `update_lora`); base-model rows
+        and rows of different adapters share each step. A request whose adapter finds no slot free of running
+        requests waits for one (least recently used adapters are replaced first).
     seed: the engine's PRNG seed for unseeded sampling (any int, taken modulo 2**32).
 
     `llm.model` is the model's description (family, config, Hugging Face config, sources) without its
@@ -131,6 +145,9 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str | None = None,
         quantize_lm_head: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -160,6 +177,7 @@ class LLM:
             enable_expert_parallel=enable_expert_parallel,
             quantization=quantization,
             quantize_lm_head=quantize_lm_head,
+            lora=_lora_config(enable_lora, max_loras, max_lora_rank),
         )
         self.replicas = ReplicaSet(
             _start_engines(loaded, self.tokenizer, self.config, replica_meshes, seed=seed, show_progress=show_progress)
@@ -170,6 +188,8 @@ class LLM:
         # The latest output of every request a call of this LLM is waiting for (None: none yet).
         self._mailboxes: dict[str, RequestOutput | None] = {}
         self.weights_version = 0  # how many times update_weights replaced the weights
+        self._adapters: dict[str, LoraAdapter] = {}  # the LoRA adapters loaded, by name
+        self._adapter_ids: dict[int, str] = {}  # LoRARequest.lora_int_id -> name
         _freeze_long_lived_objects()
 
     @classmethod
@@ -224,6 +244,70 @@ class LLM:
         self.weights_version += 1
         return self.weights_version
 
+    # ---- LoRA adapters --------------------------------------------------------------------------
+
+    def load_lora(self, name: str, source: Any, config: Any = None) -> None:
+        """Loads a LoRA adapter to serve under `name`: a PEFT directory (adapter_config.json and
+        adapter_model.safetensors), or PEFT-named tensors in memory (`lora_A.weight` [r, in], `lora_B.weight`
+        [out, r] of q/k/v/o/gate/up/down_proj) with their adapter_config (a dict or a peft `LoraConfig`). Checked
+        against the model (shapes, rank <= max_lora_rank, targets the model has) before anything changes;
+        nothing compiles. A name already loaded is an error: `update_lora` replaces an adapter's weights."""
+        self._check_lora("load_lora")
+        if name in self._adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded: update_lora({name!r}, ...) replaces it")
+        self._put_adapter(read_adapter(name, source, config))
+
+    def update_lora(self, name: str, source: Any, config: Any = None) -> None:
+        """Replaces a loaded adapter's weights in place (`load_lora`'s sources; tensors in memory are read with
+        the adapter's own config unless another is given), without compiling anything; the blocks the prefix
+        cache holds for it are never reused. Refused while a request is unfinished (as `update_weights`)."""
+        old = self._known_adapter(name)
+        if config is None and not isinstance(source, str | os.PathLike):
+            config = old.config
+        adapter = dataclasses.replace(read_adapter(name, source, config), version=old.version + 1)
+        self._put_adapter(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Forgets a loaded adapter and frees its slot. Refused while a request is unfinished."""
+        self._known_adapter(name)
+        self.replicas.on_every_replica("unload_lora", lambda engine: engine.unload_adapter(name))
+        del self._adapters[name]
+        self._adapter_ids = {i: n for i, n in self._adapter_ids.items() if n != name}
+
+    def list_loras(self) -> list[str]:
+        """The names of the loaded adapters, in the order they were loaded."""
+        return list(self._adapters)
+
+    def _check_lora(self, what: str) -> None:
+        if self.config.lora is None:
+            raise ValueError(f"{what} needs an LLM that serves LoRA adapters: LLM(..., enable_lora=True)")
+
+    def _put_adapter(self, adapter: LoraAdapter) -> None:
+        self.replicas.on_every_replica("load_lora", lambda engine: engine.load_adapter(adapter))
+        self._adapters[adapter.name] = adapter
+
+    def _known_adapter(self, name: str) -> LoraAdapter:
+        if name not in self._adapters:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self._adapters)}")
+        return self._adapters[name]
+
+    def _adapter_name(self, request: LoRARequest | None) -> str | None:
+        """The adapter a request is served with, loaded from its path the first time it is named."""
+        if request is None:
+            return None
+        if not isinstance(request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got {type(request).__name__}")
+        self._check_lora("a lora_request")
+        known = self._adapter_ids.get(request.lora_int_id)
+        if known is not None and known != request.lora_name:
+            raise ValueError(f"LoRARequest id {request.lora_int_id} names adapter {known!r}, not {request.lora_name!r}")
+        if request.lora_name not in self._adapters:
+            if request.lora_path is None:
+                raise ValueError(f"unknown LoRA adapter {request.lora_name!r} and its LoRARequest has no lora_path")
+            self.load_lora(request.lora_name, request.lora_path)
+        self._adapter_ids[request.lora_int_id] = request.lora_name
+        return request.lora_name
+
     def sleep(self, level: int = 1) -> None:
         """Frees device memory between uses, e.g. for a trainer on the same device (vLLM's sleep mode):
         level 1 moves the weights to host memory and frees the KV pool, level 2 frees both (the next
@@ -269,9 +353,11 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completes every prompt; outputs in the order of the prompts (see `jaxserve.prompts` for what a
-        prompt can be).
+        prompt can be). lora_request: the adapter every prompt is served with, or one per prompt (None: the base
+        model), as vLLM's.
 
         A prompt the engine can never serve (too long for max_seq_len, ...) comes back finished with
         `error` set; the others are served. Malformed input raises (TypeError for a wrong type,
@@ -281,7 +367,8 @@ class LLM:
 
         prompts = normalize_prompts(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = self._add_all(prompts, params)
+        adapters = [self._adapter_name(r) for r in _per_prompt(lora_request, len(prompts), "lora_request")]
+        ids = self._add_all(prompts, params, adapters)
         try:
             with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as progress:
                 outputs = self._finals(ids, progress.update)
@@ -297,6 +384,7 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answers one conversation (a list of {"role", "content"} dicts) or several, with the chat template.
 
@@ -305,31 +393,36 @@ class LLM:
         """
         conversations = validate_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> RequestStream:
+    def stream(
+        self, prompt: Any, sampling_params: SamplingParams | None = None, lora_request: LoRARequest | None = None
+    ) -> RequestStream:
         """An iterator over the request's output after every step that changed it; the last is finished.
 
         The request is queued now (bad input raises here). Closing the iterator, or dropping it, aborts
         the request and frees its blocks.
         """
-        request_id = self._add(normalize_prompt(prompt), sampling_params, stream=True)
+        adapter = self._adapter_name(lora_request)
+        request_id = self._add(normalize_prompt(prompt), sampling_params, stream=True, lora_name=adapter)
         return RequestStream(self, request_id)
 
     # ---- the shared step loop -------------------------------------------------------------------
 
-    def _add(self, prompt: Prompt, params: SamplingParams | None, stream: bool) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | None, stream: bool, lora_name: str | None = None) -> str:
         """Queues the request on the least loaded replica."""
-        request_id = self.replicas.add(prompt, params, stream=stream)
+        request_id = self.replicas.add(prompt, params, stream=stream, lora_name=lora_name)
         self._mailboxes[request_id] = None
         return request_id
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams | None]) -> list[str]:
+    def _add_all(
+        self, prompts: list[Prompt], params: list[SamplingParams | None], adapters: list[str | None]
+    ) -> list[str]:
         """All or nothing: the first prompt that raises withdraws the ones queued before it."""
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params, strict=True):
-                ids.append(self._add(prompt, sp, stream=False))
+            for prompt, sp, adapter in zip(prompts, params, adapters, strict=True):
+                ids.append(self._add(prompt, sp, stream=False, lora_name=adapter))
         except BaseException as error:
             for request_id in ids:
                 self._abort(request_id)
@@ -424,6 +517,21 @@ class RequestStream(Iterator[RequestOutput]):
 
     def __del__(self) -> None:
         self.close()
+
+
+def _lora_config(enable_lora: Any, max_loras: Any, max_lora_rank: Any) -> LoraConfig | None:
+    if not isinstance(enable_lora, bool):
+        raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
+    return LoraConfig(max_loras, max_lora_rank) if enable_lora else None
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """One value for every prompt, or a sequence of one per prompt."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != count:
+            raise ValueError(f"{name}: {len(value)} values for {count} prompts")
+        return list(value)
+    return [value] * count
 
 
 def _check_arguments(

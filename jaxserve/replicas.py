@@ -123,7 +123,13 @@ class ReplicaSet:
     # ---- routing --------------------------------------------------------------------------------
 
     def add(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None, *, stream: bool = False
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None = None,
+        *,
+        stream: bool = False,
+        lora_name: str | None = None,
     ) -> str:
         """Queues the request on the least loaded replica now (`Engine.add_request`, whose errors it raises);
         returns its id."""
@@ -131,7 +137,9 @@ class ReplicaSet:
             replica = least_loaded(self._loads)
             if request_id is None and self._names is not None:
                 request_id = str(next(self._names))
-            request_id = self.engines[replica].add_request(prompt, params, request_id, stream=stream)
+            request_id = self.engines[replica].add_request(
+                prompt, params, request_id, stream=stream, lora_name=lora_name
+            )
             self._route(request_id, replica, params)
         return request_id
 

@@ -61,6 +61,8 @@ class Request:
         block_ids is a C-int array (`array("i")`, packed int32): a step joins its rows' block lists
         into the block table as bytes (`step_inputs._fill_block_table`), without converting Python ints.
     num_cached_tokens: prompt tokens served from the prefix cache (or a fork) at the last admission.
+    lora_name / cache_root: the LoRA adapter it is served with and the root of its prefix-cache hashes (the
+        adapter's `LoraAdapter.cache_root`); None: the base model. lora_slot: the adapter's slot while it runs.
     """
 
     request_id: str
@@ -78,6 +80,9 @@ class Request:
     block_ids: array = field(default_factory=lambda: array("i"))
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    lora_name: str | None = None
+    cache_root: bytes | None = None
+    lora_slot: int | None = None
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

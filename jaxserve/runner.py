@@ -97,7 +97,7 @@ class Runner:
 
     def profile(self) -> capacity.MemoryProfile:
         """The capacity probe's figures (`memory_probe.profile_memory`), before `start`."""
-        return profile_memory(self.table, self.mesh, self.weights.arrays, self.state)
+        return profile_memory(self.table, self.mesh, self.weights.step_weights, self.state)
 
     # ---- the KV pool, sleep and close -------------------------------------------------------------
 
@@ -127,7 +127,7 @@ class Runner:
             self.channel.send_stop()
             self.channel = None
         self._release_kv()
-        self.weights.discard()
+        self.weights.close()
         delete_arrays(self.state)
         self.table.forwards.clear()
         self.table.samplers.clear()
@@ -170,9 +170,11 @@ class Runner:
     def _time_on_padding(self) -> float:
         """Runs every executable once (`StepTable.run_each_once`), then times the decode steps into
         `decode_costs`; returns the seconds of the first."""
-        first_runs, self.kv_cache = self.table.run_each_once(self.weights.arrays, self.kv_cache, self.state)
+        first_runs, self.kv_cache = self.table.run_each_once(self.weights.step_weights, self.kv_cache, self.state)
         timed_from = time.perf_counter()
-        self.decode_costs, self.kv_cache = self.table.time_decode_steps(self.weights.arrays, self.kv_cache, self.state)
+        self.decode_costs, self.kv_cache = self.table.time_decode_steps(
+            self.weights.step_weights, self.kv_cache, self.state
+        )
         logger.info(
             "decode step on padding, ms by batch size: %s (timed in %.2fs)",
             ", ".join(f"{rows}: {1e3 * cost:.2f}" for rows, cost in self.decode_costs.items()),
@@ -194,7 +196,7 @@ class Runner:
             self.channel.send_step(self.spec.steps, bucket, variant, inputs)
         state = self.state
         out, self.kv_cache = forward(
-            self.weights.arrays, self.kv_cache, replace(inputs, history=None), state.previous, state.key
+            self.weights.step_weights, self.kv_cache, replace(inputs, history=None), state.previous, state.key
         )
         if sampler is None:  # greedy_in_forward
             tokens, logprobs, key = out.greedy_tokens, out.greedy_logprobs, out.next_key

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import CapacityPolicy, EngineConfig
+from jaxserve.lora import LoraSlots
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import FinishReason
 from jaxserve.stopping import token_stop
@@ -194,6 +195,9 @@ class Scheduler:
         bucket_aware = config.scheduler.bucket_aware_admission
         bucket_aware &= config.scheduler.capacity_policy is CapacityPolicy.GUARANTEED_NO_EVICT
         self.decode_costs = dict(decode_costs) if decode_costs and bucket_aware else None
+        # An engine that serves LoRA adapters: a request is admitted once its adapter holds a slot, which it pins
+        # while it runs.
+        self.lora_slots = None if config.lora is None else LoraSlots(config.lora.max_loras)
 
     # ---- queue ---------------------------------------------------------------------------------
 
@@ -339,6 +343,8 @@ class Scheduler:
         that ran first, to be recomputed from the tokens the host has. Tokens still on the device are lost
         and sampled again (the same ones for greedy and seeded requests)."""
         requests = [r for r in dict.fromkeys([*self.running, *self.waiting]) if not r.is_finished]
+        for request in requests:
+            self._release_adapter_slot(request)
         self.block_manager.reset(requests)
         self.running.clear()
         self.waiting.clear()
@@ -349,6 +355,7 @@ class Scheduler:
             self.waiting.append(request)
 
     def _preempt(self, request: Request) -> None:
+        self._release_adapter_slot(request)
         self.block_manager.free(request)
         request.preempt()
         self.running.remove(request)
@@ -390,11 +397,25 @@ class Scheduler:
                     if next_hash in computing:
                         index += 1  # waits until a running request has computed the prefix block it will reuse
                         continue
+            if request.lora_name is not None and not self._take_adapter_slot(request):
+                index += 1  # waits until a slot is free of running requests' adapters
+                continue
             if not self._try_admit(request, fork_parent, plan):
+                self._release_adapter_slot(request)
                 return  # FCFS: head-of-line blocking, as TensorRT-LLM's capacity scheduler
             del self.waiting[index]
             if computing is not None:
                 computing.update(self.block_manager.uncached_prompt_hashes(request))
+
+    def _take_adapter_slot(self, request: Request) -> bool:
+        slot = None if self.lora_slots is None else self.lora_slots.acquire(request.lora_name)
+        request.lora_slot = slot
+        return slot is not None
+
+    def _release_adapter_slot(self, request: Request) -> None:
+        if request.lora_slot is not None:
+            self.lora_slots.release(request.lora_name)
+            request.lora_slot = None
 
     def _max_running(self, reserved_blocks: int, decode_costs: Mapping[int, float]) -> int:
         """Bucket-aware admission: how many requests may run, max_batch_size or `admission_cap` of the number
@@ -530,6 +551,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._release_adapter_slot(request)
         self.block_manager.free(request)
         request.finish(reason, self.clock(), stop_reason=stop_reason, error=error)
 

@@ -1,7 +1,8 @@
 """The model's weights in the family's serving layout on the mesh, and their moves between uses: placed from
 the checkpoint layout, offloaded to host memory and reloaded (sleep level 1), discarded (sleep level 2), and
 replaced by new values in place (`update`), with the same shardings and dtype, so the compiled steps take
-them as they are.
+them as they are. With LoRA adapters (`RunnerSpec.lora`), their slot tables beside them (`jaxserve/models/lora.py`):
+zeros at start, one slot written at a time (`write_adapter`) without compiling anything.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.models.common import delete_arrays
+from jaxserve.models import lora
+from jaxserve.models.common import ParamSpec, delete_arrays
 from jaxserve.sharding.rules import named_shardings
-from jaxserve.step import RunnerSpec
+from jaxserve.step import RunnerSpec, StepWeights
 
 
 class ServingWeights:
@@ -27,8 +30,46 @@ class ServingWeights:
         specs = spec.family.serving_specs(spec.cfg, **self._quantization)
         self.shardings = named_shardings(specs, mesh, spec.rules)
         self.arrays: Any = spec.family.to_serving(weights, spec.cfg, self.shardings, spec.dtype, **self._quantization)
-        self.abstract = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding), self.arrays)
         self._host: Any = None  # the weights while offloaded (`offload`)
+        self.lora: Any = None  # the adapter tables (None without adapters, or while on the host: `_lora_host`)
+        self._lora_host: Any = None
+        if spec.lora is not None:
+            self._start_adapters(spec, mesh)
+        self.abstract = jax.tree.map(
+            lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding), self.step_weights
+        )
+
+    def _start_adapters(self, spec: RunnerSpec, mesh: Mesh) -> None:
+        """Zeroed adapter tables on the mesh, split as the weights they sit beside (the specs of the unquantized
+        linears: the tables stay in the serving dtype), and their slot writer, compiled now."""
+        self.lora_specs = lora.table_specs(
+            spec.family.serving_specs(spec.cfg), spec.lora.max_loras, spec.lora.max_lora_rank
+        )
+        shardings = named_shardings(self.lora_specs, mesh, spec.rules)
+        self.lora = jax.jit(
+            lambda: jax.tree.map(
+                lambda s: jnp.zeros(s.shape, spec.dtype), self.lora_specs, is_leaf=lambda x: isinstance(x, ParamSpec)
+            ),
+            out_shardings=shardings,
+        )()
+        self._lora_writer = lora.LoraTableWriter(shardings)
+        self.write_adapter(0, None)  # slot 0, the base model, stays zero: this compiles the writer once
+
+    @property
+    def step_weights(self) -> StepWeights:
+        """What the compiled forwards take: the serving weights and the adapter tables."""
+        return StepWeights(self.arrays, self.lora)
+
+    def adapter_rows(self, adapter_weights: Any, max_rank: int) -> Any:
+        """One slot's rows (numpy) of an adapter's (layer, module) -> (A, B) weights, checked against the model
+        (`lora.table_rows`)."""
+        return lora.table_rows(adapter_weights, self._family.serving_specs(self._cfg), max_rank)
+
+    def write_adapter(self, slot: int, rows: Any) -> None:
+        """Writes one slot of the adapter tables (rows None: zeros, no adapter); compiles nothing after the first."""
+        if rows is None:
+            rows = lora.zero_rows(self.lora_specs)
+        self.lora = self._lora_writer.write(self.lora, slot, rows)
 
     @property
     def on_device(self) -> bool:
@@ -46,6 +87,7 @@ class ServingWeights:
         self.arrays = self._family.to_serving(
             weights, self._cfg, self.shardings, self._dtype, replacing=old, **self._quantization
         )
+        self._reload_adapters()
 
     def offload(self) -> None:
         """Moves the weights to host memory (numpy) and frees their device buffers; `reload` puts them back
@@ -53,12 +95,32 @@ class ServingWeights:
         self._host = jax.device_get(self.arrays)
         delete_arrays(self.arrays)
         self.arrays = None
+        self._offload_adapters()
 
     def reload(self) -> None:
         self.arrays = jax.device_put(self._host, self.shardings)
         self._host = None
+        self._reload_adapters()
 
     def discard(self) -> None:
-        """Frees the weights' device buffers without a copy; `update` brings new ones."""
+        """Frees the weights' device buffers without a copy; `update` brings new ones. The adapter tables (not the
+        model's weights: an update brings none) go to host memory, and come back with the weights."""
         delete_arrays(self.arrays)
         self.arrays, self._host = None, None
+        self._offload_adapters()
+
+    def close(self) -> None:
+        """Frees every device buffer: the weights and the adapter tables."""
+        self.discard()
+        self._lora_host = None
+
+    def _offload_adapters(self) -> None:
+        if self.lora is not None:
+            self._lora_host = jax.device_get(self.lora)
+            delete_arrays(self.lora)
+            self.lora = None
+
+    def _reload_adapters(self) -> None:
+        if self._lora_host is not None:
+            shardings = jax.tree.map(lambda x: x.sharding, self.abstract.lora)
+            self.lora, self._lora_host = jax.device_put(self._lora_host, shardings), None

@@ -32,8 +32,10 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jaxserve.buckets import Bucket
+from jaxserve.config import LoraConfig
 from jaxserve.kv_layout import KVLayout, kv_layout
 from jaxserve.logprobs import TokenLogprobs, no_token_logprobs, prompt_token_logprobs, token_logprobs
+from jaxserve.models import lora
 from jaxserve.models.attention import PagedAttentionMetadata, PagedKVCache
 from jaxserve.models.quant import FP8_DTYPE
 from jaxserve.models.registry import ModelConfig, ModelFamily
@@ -43,6 +45,16 @@ from jaxserve.step_inputs import SamplingInputs, StepInputs, TokenHistory, regis
 from jaxserve.variants import SamplerMode, StepConfig
 
 register_device_pytrees()  # the step's input types are declared pytrees in the jax-free step_inputs.py
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class StepWeights:
+    """What a forward reads besides its inputs and the KV pool: the model's serving weights and, when the engine
+    serves LoRA adapters, every layer's adapter tables (`jaxserve/models/lora.py`; None without adapters)."""
+
+    model: Any
+    lora: tuple[dict[str, lora.LoraTable], ...] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -110,6 +122,7 @@ class RunnerSpec:
     quantization: str | None = None  # EngineConfig.quantization: the linear weights' storage ("fp8")
     quantize_lm_head: bool = False  # EngineConfig.quantize_lm_head
     kv_cache_dtype: str = "auto"  # KvCacheConfig.dtype: "auto" (the dtype above) or "fp8"
+    lora: LoraConfig | None = None  # EngineConfig.lora: the adapter tables' slots and rank (None: no adapters)
 
     @property
     def cache_dtype(self) -> jnp.dtype:
@@ -127,7 +140,7 @@ class RunnerSpec:
 
 
 def forward_fn(
-    weights: Any,
+    step_weights: StepWeights,
     kv_cache: PagedKVCache,
     inputs: StepInputs,
     previous_tokens: Int[Array, " Bmax"],
@@ -140,6 +153,9 @@ def forward_fn(
 ) -> tuple[ForwardOutput, PagedKVCache]:
     """The model part of one step on the device (see the module docstring); `mesh` when tensor-parallel."""
     family, cfg = spec.family, spec.cfg
+    weights = step_weights.model
+    if step_weights.lora is not None:  # each targeted linear with its adapter slots and the tokens' own slots
+        weights = lora.bind(weights, step_weights.lora, inputs.lora_slots)
     token_ids = _gather_carried(inputs, previous_tokens)
     meta = PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,

@@ -136,6 +136,8 @@ class StepInputs:
         carried_source[b] (overlap); the step writes it into token_ids[logits_indices[b]].
     banned_tokens: ids row b may not sample this step (min_tokens), padded with the vocabulary size.
     history / prompt_targets: present exactly in the penalties / prompt-logprobs variants.
+    lora_slots: each token's adapter slot (0: the base model; padding too), in an engine that serves LoRA adapters
+        (`StepConfig.lora`) only.
     block_table / slot_mapping: with G KV layer groups (`jaxserve/kv_layout.py`), a row's entry m * G + g is the
         page of its block m in group g (0: released or padding), and slot_mapping[g] each token's slot in group
         g's pages.
@@ -155,6 +157,7 @@ class StepInputs:
     sampling: SamplingInputs
     history: TokenHistory | None = None
     prompt_targets: Int32[np.ndarray, " T"] | None = None
+    lora_slots: Int32[np.ndarray, " T"] | None = None
 
 
 def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> StepInputs:
@@ -187,6 +190,7 @@ def padding_inputs(bucket: Bucket, variant: StepVariant, config: StepConfig) -> 
         sampling=SamplingInputs.neutral(B),
         history=history,
         prompt_targets=ints(T, NO_TARGET) if variant.prompt_logprobs else None,
+        lora_slots=ints(T) if config.lora else None,
     )
 
 
@@ -223,6 +227,9 @@ def _built(
     variant = config.choose_variant(batch, columns.sampling, columns.samples)
     inputs = padding_inputs(bucket, variant, config)
     _fill_flat_batch(inputs, batch, columns, config.buckets)
+    if inputs.lora_slots is not None:
+        slots = np.fromiter([r.lora_slot or 0 for r in columns.requests], dtype=np.int32, count=len(columns.requests))
+        inputs.lora_slots[: int(columns.q_lens.sum())] = np.repeat(slots, columns.q_lens)
     _fill_carried(inputs, columns, previous)
     _fill_banned(inputs.banned_tokens, columns)
     _fill_sampling(inputs.sampling, columns)

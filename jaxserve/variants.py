@@ -111,6 +111,7 @@ class StepConfig:
     penalty_variants: bool = False
     prompt_logprob_variants: bool = False
     kv_groups: int = 1
+    lora: bool = False  # the steps carry each token's adapter slot (StepInputs.lora_slots)
 
     @classmethod
     def from_config(
@@ -124,6 +125,7 @@ class StepConfig:
             penalty_variants=compile_config.penalty_variants,
             prompt_logprob_variants=compile_config.prompt_logprobs,
             kv_groups=kv_groups,
+            lora=config.lora is not None,
         )
 
     def forwards(self) -> tuple[tuple[Bucket, bool], ...]:

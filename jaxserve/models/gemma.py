@@ -320,6 +320,12 @@ class GemmaServingLayer:
     w_down: Float[Array, "F D"]
 
     LINEARS: ClassVar[dict[str, int]] = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # quant.quantize_linears
+    LORA_MODULES: ClassVar[dict[str, tuple[str, ...]]] = {  # the modules each holds, for adapters (models/lora.py)
+        "wqkv": ("q_proj", "k_proj", "v_proj"),
+        "wo": ("o_proj",),
+        "w_gate_up": ("gate_proj", "up_proj"),
+        "w_down": ("down_proj",),
+    }
 
 
 @jax.tree_util.register_dataclass

@@ -269,6 +269,9 @@ class MoeServingLayer:
     mlp: moe.DenseMlp | moe.ExpertMlp
 
     LINEARS: ClassVar[dict[str, int]] = {"wqkv": 1, "wo": 2}  # and the MLP's own (quant.quantize_linears)
+    # Adapters target the attention's projections (models/lora.py); an MLP's (a dense layer's, the experts') are not
+    # served with adapters.
+    LORA_MODULES: ClassVar[dict[str, tuple[str, ...]]] = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",)}
 
 
 @jax.tree_util.register_dataclass

@@ -37,6 +37,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": MODEL_AXIS,
     "experts": None,
+    "lora": None,  # adapter slots (models/lora.py): every device holds every slot of its share of the table
 }
 # Expert parallelism: each device holds E / tp whole experts. An expert weight's "experts" dimension comes
 # before its "mlp" one and takes the model axis, so "mlp" stays whole there (one mesh axis splits one

@@ -1,0 +1,280 @@
+"""LoRA adapters served beside the base model, against transformers + peft in float32 (a tiny random Llama, adapters
+with non-zero B saved by peft): three adapters of different ranks and target sets mixed with base rows in one
+generate, more adapters than slots (the least recently used one is replaced), an update in place that compiles
+nothing, the prefix cache keyed by adapter, and the errors a user meets."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+peft = pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
+
+from jaxserve.config import CompileConfig, KvCacheConfig  # noqa: E402
+from jaxserve.llm import LLM  # noqa: E402
+from jaxserve.lora import LoRARequest, LoraSlots  # noqa: E402
+from jaxserve.sampling import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.needs_torch
+
+VOCAB = 160
+NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+HF_CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+)
+# Ranks, alphas and target sets that differ: q/v only; all seven with rsLoRA; k/o/up/down.
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all": dict(
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "koud": dict(r=2, lora_alpha=2, target_modules=["k_proj", "o_proj", "up_proj", "down_proj"]),
+}
+PROMPTS = [np.random.default_rng(i).integers(0, VOCAB, n).tolist() for i, n in enumerate((5, 19, 11, 30, 7, 24))]
+
+
+def _base_model(directory) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**HF_CONFIG)
+    config.architectures = ["LlamaForCausalLM"]
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def _save_adapter(base, directory, seed: int, **options) -> None:
+    """A peft adapter with random A and B (B scaled up so that it moves the greedy tokens), saved as peft saves."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(init_lora_weights=False, **options)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20.0)
+    model.save_pretrained(directory)
+    model.unload()  # the base model without the adapter's layers, for the next one
+
+
+def _peft_tokens(base_dir, adapter_dir, prompts) -> list[list[int]]:
+    """transformers + peft's greedy tokens (float32), the adapter applied unmerged; adapter_dir None: the base."""
+    model = transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(generated[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The base model and the adapters on disk (a second 'qv' for updates), and peft's tokens for each."""
+    root = tmp_path_factory.mktemp("lora")
+    base = _base_model(root / "base")
+    for seed, (name, options) in enumerate(ADAPTERS.items(), start=1):
+        _save_adapter(base, root / name, seed, **options)
+    _save_adapter(base, root / "qv2", 10, **ADAPTERS["qv"])
+    expected = {name: _peft_tokens(root / "base", root / name, PROMPTS) for name in [*ADAPTERS, "qv2"]}
+    expected[None] = _peft_tokens(root / "base", None, PROMPTS)
+    return root, expected
+
+
+@pytest.fixture(scope="module")
+def llm(saved, char_tokenizer):
+    root, _ = saved
+    llm = LLM(
+        str(root / "base"),
+        tokenizer=char_tokenizer(),
+        dtype="float32",
+        max_batch_size=4,
+        max_num_tokens=32,
+        max_seq_len=128,
+        kv_cache_config=KvCacheConfig(max_tokens=512),
+        compile_config=CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False),
+        attention_backend="xla",
+        enable_lora=True,
+        max_loras=2,  # three adapters: one of them waits for a slot
+        max_lora_rank=8,
+        show_progress=False,
+    )
+    yield llm
+    llm.close()
+
+
+def _request(root, name: str, index: int) -> LoRARequest:
+    return LoRARequest(name, index, str(root / name))
+
+
+def test_adapters_differ_from_the_base_model(saved):
+    _, expected = saved
+    for name in ADAPTERS:
+        assert expected[name] != expected[None], f"adapter {name} does not move the greedy tokens: a weak test"
+
+
+def test_three_adapters_mixed_with_base_rows_give_peft_tokens(saved, llm):
+    root, expected = saved
+    names = [None, "qv", "all", "koud", "qv", None]
+    requests = [None if n is None else _request(root, n, 1 + list(ADAPTERS).index(n)) for n in names]
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests)
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert got == [expected[n][i] for i, n in enumerate(names)]
+    assert sorted(llm.list_loras()) == sorted(ADAPTERS)
+    # Two slots for three adapters: the least recently used one was replaced while the others waited.
+    slots = llm.engine.scheduler.lora_slots
+    assert len(slots.holder) == 2 and not any(slots.pins.values())
+
+
+def test_one_adapter_for_every_prompt_and_stream(saved, llm):
+    root, expected = saved
+    request = _request(root, "all", 2)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=request)]
+    assert got == expected["all"][:3]
+    *_, last = llm.stream(PROMPTS[3], GREEDY, lora_request=request)
+    assert last.outputs[0].token_ids == expected["all"][3]
+
+
+def test_update_lora_changes_tokens_and_compiles_nothing(saved, llm, record_compiles):
+    root, expected = saved
+    request = LoRARequest("qv", 1)
+    llm.load_lora("qv", str(root / "qv")) if "qv" not in llm.list_loras() else None
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request)] == (
+        expected["qv"]
+    )
+    with record_compiles() as compiled:
+        llm.update_lora("qv", str(root / "qv2"))
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request)]
+    assert got == expected["qv2"]
+    assert not compiled, f"update_lora or the generate after it compiled: {compiled}"
+    llm.update_lora("qv", str(root / "qv"))  # back, for the other tests
+
+
+def test_prefix_cached_under_one_adapter_is_not_a_hit_for_another(saved, llm):
+    root, expected = saved
+    prompt = np.random.default_rng(7).integers(0, VOCAB, 40).tolist()  # two full blocks of 16
+    stats = llm.engine.block_manager.stats
+
+    def run(name):
+        request = None if name is None else _request(root, name, 1 + list(ADAPTERS).index(name))
+        before = stats.hit_tokens
+        tokens = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=request)[0].outputs[0].token_ids
+        return tokens, stats.hit_tokens - before
+
+    first, hits = run("qv")
+    assert run("qv") == (first, 32)  # the same adapter reuses its two blocks
+    for other in ("all", None):
+        assert run(other)[1] == 0, f"{other} reused a block computed under qv"
+    # An update: the adapter's old blocks are not reused either.
+    llm.update_lora("qv", str(root / "qv2"))
+    try:
+        assert run("qv")[1] == 0
+    finally:
+        llm.update_lora("qv", str(root / "qv"))
+
+
+def _tensors_and_config(directory) -> tuple[dict, dict]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors")), json.loads(
+        (directory / "adapter_config.json").read_text()
+    )
+
+
+def test_errors_name_the_problem_and_change_nothing(saved, llm, tmp_path):
+    root, expected = saved
+    tensors, config = _tensors_and_config(root / "all")
+    before = llm.list_loras()
+    with pytest.raises(ValueError, match="rank 16 is above max_lora_rank 8"):
+        wide = {k: np.concatenate([v, v], 0 if "lora_A" in k else 1) for k, v in tensors.items()}
+        llm.load_lora("too-wide", wide, {**config, "r": 16})
+    with pytest.raises(ValueError, match="layer 5 q_proj: a layer the model lacks"):
+        extra = {k.replace("layers.1.", "layers.5."): v for k, v in tensors.items() if "layers.1.self_attn.q_proj" in k}
+        llm.load_lora("deep", {**tensors, **extra}, config)
+    with pytest.raises(ValueError, match="lm_head.lora_A.weight is not a lora_A / lora_B weight"):
+        head = {"base_model.model.lm_head.lora_A.weight": np.zeros((8, 64), np.float32)}
+        llm.load_lora("head", {**tensors, **head}, config)
+    with pytest.raises(ValueError, match="another base model"):
+        narrow = {k: v[:, :32] if "lora_A" in k else v for k, v in tensors.items()}
+        llm.load_lora("narrow", narrow, config)
+    with pytest.raises(ValueError, match="DoRA"):
+        llm.load_lora("dora", tensors, {**config, "use_dora": True})
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nobody'"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("nobody", 99))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.load_lora("empty", str(tmp_path))
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.load_lora("all", str(root / "all"))
+    assert llm.list_loras() == before
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    assert got == expected[None][:2]
+
+
+def test_an_engine_without_lora_refuses_adapters(tiny_model, make_llm):
+    llm = make_llm(tiny_model("llama"))
+    try:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, "/nowhere"))
+    finally:
+        llm.close()
+
+
+def test_slots_hand_out_free_then_least_recently_used_unpinned_slots():
+    slots = LoraSlots(max_loras=2)
+    assert slots.acquire("a") == 1 and slots.acquire("b") == 2
+    assert slots.pending == {1: "a", 2: "b"}
+    slots.pending.clear()
+    assert slots.acquire("c") is None  # both pinned
+    slots.release("a")
+    assert slots.acquire("a") == 1 and not slots.pending  # still resident: no write
+    slots.release("a")
+    slots.release("b")
+    assert slots.acquire("c") == 2  # b is the least recently used
+    assert slots.pending == {2: "c"} and slots.slot_of("b") is None
+    with pytest.raises(RuntimeError, match="in use"):
+        slots.forget("c")
+    slots.release("c")
+    assert slots.forget("c") == 2 and slots.slot_of("c") is None
+
+
+def test_tensors_in_memory_equal_the_directory(saved, llm):
+    root, expected = saved
+    tensors, config = _tensors_and_config(root / "koud")
+    llm.load_lora("koud-memory", tensors, config)
+    try:
+        got = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=LoRARequest("koud-memory", 40))
+        assert [o.outputs[0].token_ids for o in got] == expected["koud"][:2]
+    finally:
+        llm.unload_lora("koud-memory")
+    assert "koud-memory" not in llm.list_loras()
+
+
+def test_lora_request_checks_its_fields():
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0)
+    with pytest.raises(ValueError, match="lora_name"):
+        LoRARequest("", 1)
