@@ -83,8 +83,9 @@ class LoraAdapter:
 
 
 def read_adapter(name: str, source: Any, config: Any = None) -> LoraAdapter:
-    """An adapter from a PEFT directory (a path; `config` None) or from PEFT-named tensors in memory with their
-    adapter_config (`from_peft`)."""
+    """An adapter from a PEFT directory (a path; `config` None), from PEFT-named tensors in memory with their
+    adapter_config (`from_peft`), or from a tunix / qwix parameter tree (`*_lora_a` / `*_lora_b`, nested or
+    dotted names) with a config giving qwix's lora_alpha (`from_qwix`)."""
     if isinstance(source, str | os.PathLike):
         if config is not None:
             raise ValueError(f"LoRA adapter {name!r}: a PEFT directory brings its own adapter_config; pass no config")
@@ -93,7 +94,63 @@ def read_adapter(name: str, source: Any, config: Any = None) -> LoraAdapter:
         raise TypeError(f"LoRA adapter {name!r}: a PEFT directory or a dict of tensors, got {type(source).__name__}")
     if config is None:
         raise ValueError(f"LoRA adapter {name!r}: tensors in memory need their adapter_config (config=...)")
-    return from_peft(name, source, config)
+    flat = flat_names(source)
+    if any(_QWIX_NAME.fullmatch(key) for key in flat):
+        return from_qwix(name, flat, config)
+    return from_peft(name, flat, config)
+
+
+def flat_names(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested dict (a Flax NNX pure dict: layer indices as int keys) as {dotted name: leaf}; a flat one as is."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = getattr(node, "value", node)  # an nnx Variable's value
+
+    walk(tree, "")
+    return flat
+
+
+# tunix's projections (Llama3, Qwen3: q/k/v/o einsum weights `w`, MLP kernels) with qwix's LoRA pair beside them.
+_QWIX_NAME = re.compile(r"layers\.(\d+)\.(?:attn|mlp)\.(\w+_proj)\.(?:w|kernel)_lora_([ab])")
+
+
+def from_qwix(name: str, flat: Mapping[str, Any], config: Mapping[str, Any]) -> LoraAdapter:
+    """An adapter from a tunix model's qwix LoRA parameters: `layers.N.attn.{q,k,v,o}_proj.w_lora_a` [*in, r] /
+    `_lora_b` [r, *out] and `layers.N.mlp.{gate,up,down}_proj.kernel_lora_a` / `_lora_b` (their input and output
+    axes in tunix's order, which is Hugging Face's once flattened), scaled by qwix's alpha / r (config
+    {"lora_alpha": alpha}). Other parameters are an error: pass the LoRA parameters only."""
+    alpha = dict(config).get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise ValueError(
+            f"LoRA adapter {name!r}: a qwix tree needs config={{'lora_alpha': <qwix alpha>}}, got {alpha!r}"
+        )
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = collections.defaultdict(dict)
+    for key, value in flat.items():
+        match = _QWIX_NAME.fullmatch(key)
+        if match is None:
+            raise ValueError(f"LoRA adapter {name!r}: {key} is not a qwix LoRA parameter of a tunix projection")
+        module = match.group(2)
+        if module not in MODULES:
+            raise ValueError(f"LoRA adapter {name!r}: {key} targets {module}; adapters may target {list(MODULES)}")
+        pairs[(int(match.group(1)), module)][match.group(3)] = np.asarray(value, np.float32)
+    weights, ranks = {}, set()
+    for (layer, module), halves in sorted(pairs.items()):
+        if set(halves) != {"a", "b"}:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has _lora_{''.join(halves)} only")
+        a, b = halves["a"], halves["b"]
+        rank = a.shape[-1]
+        if b.shape[0] != rank:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_a {a.shape}, lora_b {b.shape}")
+        ranks.add(rank)
+        weights[(layer, module)] = (a.reshape(-1, rank), b.reshape(rank, -1) * (alpha / rank))
+    if not weights:
+        raise ValueError(f"LoRA adapter {name!r} holds no qwix LoRA parameters")
+    return LoraAdapter(name, max(ranks), weights, {"lora_alpha": alpha})
 
 
 def read_peft_dir(name: str, path: str | os.PathLike) -> LoraAdapter:

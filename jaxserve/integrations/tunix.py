@@ -16,8 +16,12 @@ tokens' logprob arrays (`SamplingParams(token_logprobs=True)`).
   derived from theirs, or another tunix model with the same parameter names (Qwen3) when `hf_config` is given.
   `update_params` (tunix's weight sync, after every step: `model()` is None, so tunix never takes the
   engine's weights for the actor's) merges what it receives into the last full set and calls
-  `LLM.update_weights`: nothing is recompiled. LoRA parameters are refused (merge them first), and so
-  is tunix's `offload_to_cpu` (it moves the rollout model's variables; the engine has none to move).
+  `LLM.update_weights`: nothing is recompiled. tunix's `offload_to_cpu` is refused (it moves the rollout model's
+  variables; the engine has none to move).
+- An actor trained with LoRA (qwix's `*_lora_a` / `*_lora_b` parameters beside the base ones; give `lora_alpha`,
+  the qwix LoraProvider's alpha) is served as the base model plus one adapter, "actor" (`LLM.load_lora`), which
+  every `generate` uses; tunix then syncs only the LoRA parameters, and `update_params` replaces the adapter in
+  place (`LLM.update_lora`: a few megabytes, nothing recompiled) instead of the whole model's weights.
 - `generate` follows tunix's vLLM rollout: prompts tokenized as tunix does (BOS prepended once), every
   prompt its own request (a seeded config seeds prompt i with seed + i, so copies of one prompt differ),
   generation stopped at `eos_tokens` (the tokenizer's EOS by default), which stay in the tokens;
@@ -47,6 +51,7 @@ from tunix.models.llama3 import model as llama3
 from tunix.rl.rollout import base_rollout
 
 from jaxserve.llm import LLM
+from jaxserve.lora import LoRARequest
 from jaxserve.models.tunix_params import to_jaxserve_params
 from jaxserve.sampling import SamplingParams
 
@@ -184,6 +189,12 @@ def tunix_hf_config(model: nnx.Module, max_position_embeddings: int) -> dict[str
     raise TypeError(f"cannot derive a Hugging Face config for a {type(model).__name__}: pass hf_config")
 
 
+def _split_lora(flat: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """(base parameters, qwix LoRA parameters) of a flat tunix parameter dict."""
+    lora = {k: v for k, v in flat.items() if k.endswith(("_lora_a", "_lora_b"))}
+    return {k: v for k, v in flat.items() if k not in lora}, lora
+
+
 class _EngineTokenizer:
     """tunix's tokenizer (its TokenizerAdapter, or anything with encode / decode / bos_id / eos_id /
     pad_id) as the engine reads one; prompts are encoded as tunix's samplers do."""
@@ -215,8 +226,11 @@ class JaxserveRollout(base_rollout.BaseRollout):
     tokenizer, mesh, rollout_config: as RLCluster passes them; the engine's max_seq_len holds
         max(kv_cache_size, max_prompt_length + max_tokens_to_generate) tokens.
     hf_config: the model's Hugging Face config (dict or object); derived for a tunix Llama3, Gemma or Gemma3.
+    lora_alpha: for an actor with LoRA parameters, qwix's alpha (the adapter is scaled by alpha / rank).
     llm_kwargs: `LLM` keywords (max_batch_size, compile_config, logprobs_mode, ...).
     """
+
+    ADAPTER = LoRARequest("actor", 1)
 
     def __init__(
         self,
@@ -226,6 +240,7 @@ class JaxserveRollout(base_rollout.BaseRollout):
         rollout_config: base_rollout.RolloutConfig | None = None,
         *,
         hf_config: Any = None,
+        lora_alpha: float | None = None,
         **llm_kwargs: Any,
     ) -> None:
         if rollout_config is None:
@@ -236,11 +251,23 @@ class JaxserveRollout(base_rollout.BaseRollout):
         if hf_config is None:
             hf_config = tunix_hf_config(rollout_actor, max_seq_len)
         self._tokenizer = tokenizer
-        self._params = flat_params(nnx.state(rollout_actor, nnx.Param))
+        self._params, self._lora = _split_lora(flat_params(nnx.state(rollout_actor, nnx.Param)))
         options = {"logprobs_mode": "processed_logprobs", "max_seq_len": max_seq_len, "show_progress": False}
+        self._lora_config = None
+        if self._lora:
+            if lora_alpha is None:
+                raise ValueError(
+                    "the rollout actor has LoRA parameters: pass lora_alpha (its qwix LoraProvider's alpha)"
+                )
+            rank = max(int(v.shape[-1]) for k, v in self._lora.items() if k.endswith("_lora_a"))
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=rank)
+            self._lora_config = {"lora_alpha": lora_alpha}
         self.llm = LLM.from_params(
             to_jaxserve_params(self._params), hf_config, _EngineTokenizer(tokenizer), **{**options, **llm_kwargs}
         )
+        if self._lora:
+            with jax.transfer_guard("allow"):
+                self.llm.load_lora(self.ADAPTER.lora_name, self._lora, self._lora_config)
         self._recorded: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
 
     @property
@@ -257,7 +284,10 @@ class JaxserveRollout(base_rollout.BaseRollout):
         encode = self.llm.tokenizer.encode
         prompt_ids = [encode(p) for p in prompts]
         params = [_sampling_params(rollout_config, self.eos_id(), i) for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        adapter = self.ADAPTER if self._lora else None
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False, lora_request=adapter
+        )
         failed = [(i, o.error) for i, o in enumerate(outputs) if o.error is not None]
         if failed:
             raise RuntimeError(f"the engine could not serve prompt {failed[0][0]}: {failed[0][1]}")
@@ -297,14 +327,26 @@ class JaxserveRollout(base_rollout.BaseRollout):
         return jnp.asarray(out)
 
     def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
-        """Serves new parameter values: `params` (an NNX State, all or some of the actor's parameters)
-        merged into the last full set, then `LLM.update_weights` (checked, cast, nothing recompiled)."""
-        merged = {**self._params, **flat_params(params)}
+        """Serves new parameter values: `params` (an NNX State, all or some of the actor's parameters) merged into
+        the last full set; base parameters through `LLM.update_weights`, LoRA parameters (an actor trained with
+        LoRA: tunix syncs those only) through `LLM.update_lora` (checked, cast, nothing recompiled)."""
+        base, lora = _split_lora(flat_params(params))
+        if lora and not self._lora:
+            raise ValueError(
+                f"LoRA parameter {next(iter(lora))}: this rollout serves an actor without LoRA parameters; build it "
+                "from the LoRA actor (or merge the adapters into the weights)"
+            )
         # On CPU tunix syncs under a guard against explicit host <-> device transfers; placing the weights
         # layer by layer indexes each layer out with a host integer, which that guard counts as one.
         with jax.transfer_guard("allow"):
-            self.llm.update_weights(to_jaxserve_params(merged))
-        self._params = merged
+            if base:
+                merged = {**self._params, **base}
+                self.llm.update_weights(to_jaxserve_params(merged))
+                self._params = merged
+            if lora:
+                merged_lora = {**self._lora, **lora}
+                self.llm.update_lora(self.ADAPTER.lora_name, merged_lora, self._lora_config)
+                self._lora = merged_lora
 
     def pad_id(self) -> int:
         return int(self._tokenizer.pad_id())

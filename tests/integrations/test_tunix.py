@@ -1,7 +1,8 @@
 """jaxserve as google-tunix's rollout engine: `JaxserveRollout` against tunix's own expectations (its
 RolloutOutput layout, its per-token logps of its own model forward) for tiny random-weight tunix Llama3,
-Gemma, Gemma 2 and Gemma3 models, then a few GRPO steps of a tunix Llama3 end to end on CPU with the rollout
-served by jaxserve.
+Gemma, Gemma 2 and Gemma3 models and a tunix Llama3 trained with qwix LoRA (served as the base model plus an
+adapter, updated in place), then a few GRPO steps of a tunix Llama3, and of one with LoRA, end to end on CPU with the
+rollout served by jaxserve.
 
 Needs google-tunix (`pip install -e ".[tunix]"`; CI runs this file in its Python 3.12 virtualenv).
 """
@@ -19,6 +20,7 @@ import pytest
 pytest.importorskip("tunix", reason='google-tunix is not installed: pip install -e ".[tunix]" (Python >= 3.11)')
 
 import optax  # noqa: E402
+import qwix  # noqa: E402
 from flax import nnx  # noqa: E402
 from grain import python as grain  # noqa: E402
 from tunix.models.gemma import model as gemma  # noqa: E402
@@ -86,6 +88,29 @@ def tiny_llama3(seed: int) -> llama3.Llama3:
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda x: x * 3.0, state))
     return model
+
+
+LORA_ALPHA = 8.0
+
+
+def tiny_lora_llama3(seed: int, rank: int = 4) -> llama3.Llama3:
+    """`tiny_llama3` with qwix LoRA on all seven projections, its B random (qwix starts it at zero) and large
+    enough to move the logprobs."""
+    modules = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+    base = tiny_llama3(seed)
+    model = qwix.apply_lora_to_model(
+        base, qwix.LoraProvider(module_path=modules, rank=rank, alpha=LORA_ALPHA), **base.get_model_input()
+    )
+    randomize_lora(model, seed)
+    return model
+
+
+def randomize_lora(model, seed: int) -> None:
+    leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.LoRAParam))
+    rng = np.random.default_rng(seed + 100)
+    nnx.update(
+        model, jax.tree.unflatten(treedef, [jnp.asarray(rng.standard_normal(x.shape) * 0.5, x.dtype) for x in leaves])
+    )
 
 
 def tiny_gemma(version: int, seed: int) -> gemma.Gemma | gemma3.Gemma3:
@@ -229,6 +254,56 @@ def test_rollout_generate_logps_and_update_params_against_tunix(mesh):
         rollout.update_params({"layers": {0: {"attn": {"q_proj": {"w_lora_a": jnp.zeros((64, 4))}}}}})
 
 
+def test_lora_rollout_logps_equal_tunix_forward_and_updates_send_the_adapter_only(mesh, record_compiles_tunix):
+    """An actor trained with LoRA: served as the base model plus one adapter; its logprobs are tunix's forward with
+    the adapter applied; a LoRA-only sync (what tunix sends) replaces the adapter, not the weights, compiling
+    nothing."""
+    model = tiny_lora_llama3(seed=0)
+    config = rollout_config()
+    with pytest.raises(ValueError, match="pass lora_alpha"):
+        JaxserveRollout(model, CharTokenizer(), mesh, config, **ENGINE)
+    rollout = JaxserveRollout(model, CharTokenizer(), mesh, config, lora_alpha=LORA_ALPHA, **ENGINE)
+    assert rollout.llm.list_loras() == ["actor"]
+    prompts = ["hello there", "what is two plus two?", "a"]
+    check_logps_match_tunix(model, rollout.generate(prompts, config), config)
+    base = tiny_llama3(seed=0)  # the same base weights without the adapter: other logprobs
+    greedy = rollout_config(temperature=0.0)
+    out = rollout.generate(prompts[:1], greedy)
+    without = tunix_logps(base, out.left_padded_prompt_tokens, padded_completions(out.tokens), 1.0)
+    assert not np.allclose(out.logprobs[0], without[0, : len(out.tokens[0])], atol=1e-2), "the adapter is applied"
+
+    randomize_lora(model, seed=7)  # a training step's new adapter, synced as tunix syncs it
+    with record_compiles_tunix() as compiled:
+        rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
+        out = rollout.generate(prompts, greedy)
+    assert not compiled, compiled
+    assert rollout.llm.weights_version == 0, "the base weights were not sent again"
+    check_logps_match_tunix(model, out, greedy)
+
+
+@pytest.fixture
+def record_compiles_tunix():
+    import contextlib
+
+    events = ("/jax/core/compile/jaxpr_to_mlir_module_duration", "/jax/core/compile/backend_compile_duration")
+
+    @contextlib.contextmanager
+    def record():
+        compiled: list[str] = []
+
+        def listener(event, duration, **kwargs):
+            if event in events:
+                compiled.append(f"{event}: {kwargs.get('fun_name', '?')}")
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            yield compiled
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+
+    return record
+
+
 @pytest.mark.parametrize("version", [1, 2, 3])
 def test_gemma_rollout_logps_equal_tunix_forward(mesh, version):
     """Gemma 2 on prompts that need no padding: tunix's Gemma (google-tunix 0.1.7) places its sliding window
@@ -345,5 +420,43 @@ def test_grpo_steps_with_the_jaxserve_rollout(mesh):
     assert any(changed), "the actor trains"
     assert cluster.global_steps >= 1 and rollout.llm.weights_version == cluster.global_steps
     assert calls["logps"] >= 1, "num_iterations > 1 reads the old policy's logps from the rollout"
+    out = rollout.generate(["a cat", "banana"], config)
+    check_logps_match_tunix(cluster.actor_trainer.model, out, config)
+
+
+def test_grpo_steps_of_a_lora_actor_with_the_jaxserve_rollout(mesh):
+    """GRPO of an actor trained with LoRA (the reference: its base model): each weight sync sends the adapter only,
+    which the engine serves in place; its logprobs stay tunix's forward with the trained adapter."""
+    actor, reference = tiny_lora_llama3(seed=0), tiny_llama3(seed=0)
+    before = jax.tree.map(jnp.copy, nnx.state(actor, nnx.LoRAParam))
+    config = rollout_config()
+    roles = rl_cluster_lib.Role
+    cluster = rl_cluster_lib.RLCluster(
+        actor=actor,
+        reference=reference,
+        tokenizer=CharTokenizer(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+            rollout_engine=functools.partial(JaxserveRollout, lora_alpha=LORA_ALPHA, **ENGINE),
+            offload_to_cpu=False,
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=2
+            ),
+            rollout_config=config,
+        ),
+    )
+    rollout = cluster.rollout
+    learner = grpo_learner.GRPOLearner(
+        rl_cluster=cluster,
+        reward_fns=count_a,
+        algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.04),
+    )
+    dataset = grain.MapDataset.source(Prompts(["a cat", "banana", "say aaa", "hi"])).batch(2)
+    learner.train(dataset.map(lambda prompts: {"prompts": prompts}))
+
+    trained = nnx.state(cluster.actor_trainer.model, nnx.LoRAParam)
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, trained))
+    assert any(changed), "the adapter trains"
+    assert cluster.global_steps >= 1 and rollout.llm.weights_version == 0, "only the adapter was synced"
     out = rollout.generate(["a cat", "banana"], config)
     check_logps_match_tunix(cluster.actor_trainer.model, out, config)
