@@ -326,10 +326,19 @@ def _lower_and_compile(
 
 
 def resolve_lazy(lazy: bool | None) -> bool:
-    """CompileConfig.lazy: None -> True on CPU (compile each step on first use), False on an accelerator."""
+    """CompileConfig.lazy: None -> True on CPU (compile each step on first use), False on an accelerator and in a
+    multi-process run. There every step is compiled at start: a step compiled on first use while the one before it
+    ran deadlocked the processes' collectives (two CPU processes under jax 0.12.1, every time with nothing in the
+    step store; loading stored steps did not), so lazy=True is refused there."""
+    multiprocess = jax.process_count() > 1
+    if lazy and multiprocess:
+        raise ValueError(
+            "CompileConfig.lazy=True in a multi-process run: every process compiles every step at start there "
+            "(a step compiled while another runs can deadlock the processes' collectives); leave lazy None or False"
+        )
     if lazy is not None:
         return lazy
-    resolved = jax.default_backend() == "cpu"
+    resolved = jax.default_backend() == "cpu" and not multiprocess
     logger.info("lazy compilation %s (%s)", "on" if resolved else "off", jax.default_backend())
     return resolved
 

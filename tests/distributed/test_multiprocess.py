@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -101,6 +102,9 @@ def _free_port() -> int:
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     env["JAX_PLATFORMS"] = "cpu"
+    # An empty step store, as on a fresh machine: steps compiled on first use while others ran deadlocked the
+    # processes, which stored steps (a warm cache) hid.
+    env["JAXSERVE_CACHE"] = tempfile.mkdtemp(prefix="jaxserve-multiprocess-")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return env
 

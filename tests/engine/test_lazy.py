@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import numpy as np
 import pytest
 
@@ -32,9 +33,16 @@ def prompts(seed: int, count: int = 10) -> list[list[int]]:
     return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
 
 
-def test_lazy_is_on_by_default_on_cpu_only_and_validated():
+def test_lazy_is_on_by_default_on_cpu_only_and_validated(monkeypatch):
     assert resolve_lazy(None) is True  # these tests run on CPU
     assert resolve_lazy(False) is False and resolve_lazy(True) is True
+    # A multi-process run compiles every step at start (a step compiled while another ran deadlocked the
+    # processes: tests/distributed/test_multiprocess.py with an empty step store).
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert resolve_lazy(None) is False and resolve_lazy(False) is False
+    with pytest.raises(ValueError, match="lazy=True in a multi-process run"):
+        resolve_lazy(True)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="lazy must be None or a bool, got 'yes'"):
         CompileConfig(lazy="yes")
     with pytest.raises(ValueError, match="kv_len_buckets entries must be >= 1, got 0"):
