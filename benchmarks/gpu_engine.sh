@@ -15,6 +15,9 @@
 #   bash benchmarks/gpu_engine.sh fp8         # batch 1 in bf16, FP8 weights + FP8 KV, and --quantize-lm-head;
 #                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV;
 #                                             # fp8_gemm: fp8_gemm.py's table (the products by layout, ~5 min)
+#   bash benchmarks/gpu_engine.sh lora        # 1024 x 128/128 and batch 1 without and with 4 random rank-16 adapters
+#                                             # on all seven projections (requests spread over them); lora_update: the
+#                                             # update of one rank-64 adapter (bench's lora.update_ms)
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -109,6 +112,17 @@ case "${1:-}" in
     ;;
   fp8_throughput)  # 1024 x 128/128 with FP8 weights and KV (the bf16 figure: `throughput` on the same start)
     bench_run t1024_fp8 400 throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128 --quantization fp8 --kv-cache-dtype fp8
+    ;;
+  lora)  # the base model and 4 adapters of rank 16, same start (the bf16 figures the targets compare against)
+    T=(throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128)
+    B1=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
+    bench_run t1024_base 240 "${T[@]}"
+    bench_run t1024_lora4 300 "${T[@]}" --lora-adapters 4 --max-lora-rank 16
+    bench_run latency_b1_base 150 "${B1[@]}"
+    bench_run latency_b1_lora4 150 "${B1[@]}" --lora-adapters 4 --max-lora-rank 16
+    ;;
+  lora_update)  # one rank-64 adapter on all seven projections: its update_lora time (lora.update_ms)
+    bench_run latency_b1_lora_r64 200 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
     ;;
   admission)  # against `long` on the same machine start
     A=(throughput --random-weights llama-3.1-8b --max-seq-len 2176 --no-bucket-aware-admission)

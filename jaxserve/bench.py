@@ -45,6 +45,9 @@ significant digits.
               "elapsed_s", "total_tok_per_s", "requests_per_s", "latency_ms": {"mean", "p50", "p90", "p99"}
   latency:    "batch_size", "input_len", "output_len", "num_iters", "num_warmup",
               "latency_s": {"mean", "p50", "p90", "p99"}, "iteration_latencies_s": [...]
+  both, with --lora-adapters N: "lora": {"adapters" (N random adapters on all seven projections, request i served
+              with adapter i mod N), "rank", "update_ms" (the median of three `update_lora`s of one adapter with
+              new random weights, the tables awaited)}; null without adapters
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from jaxserve.workload import SamplingOptions, Workload
 if TYPE_CHECKING:
     from jaxserve.engine import StepStats
     from jaxserve.llm import LLM
+    from jaxserve.lora import LoRARequest
     from jaxserve.models.loader import LoadedModel
 
 
@@ -339,17 +343,85 @@ def write_iteration_log(path: str, records: Sequence[dict[str, Any]]) -> None:
             f.write(json.dumps(_rounded(record)) + "\n")
 
 
+# ---- LoRA adapters ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSummary:
+    adapters: int
+    rank: int
+    update_ms: float
+
+
+def random_adapter_tensors(llm: LLM, rank: int, seed: int) -> dict[str, np.ndarray]:
+    """PEFT-named tensors of a random rank-`rank` adapter on every projection adapters may target in the model
+    (lora_A ~ N(0, 1/in), lora_B ~ N(0, 0.01^2): realistic sizes, values that do not matter to the timing)."""
+    from jaxserve.models import lora
+
+    spec = llm.engine.runner.spec
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for (layer, module), site in lora.module_sites(spec.family.serving_specs(spec.cfg)).items():
+        inputs = int(np.prod(site.in_shape))
+        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        name = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+        tensors[f"{name}.lora_A.weight"] = rng.standard_normal((rank, inputs), np.float32) * inputs**-0.5
+        tensors[f"{name}.lora_B.weight"] = rng.standard_normal((site.out_width, rank), np.float32) * 0.01
+    return tensors
+
+
+def random_adapters(llm: LLM, count: int, seed: int) -> list[LoRARequest]:
+    """`count` random adapters of the engine's max_lora_rank, loaded into `llm`; their requests."""
+    from jaxserve.lora import LoRARequest
+
+    rank = llm.config.lora.max_lora_rank
+    config = {"r": rank, "lora_alpha": 2 * rank}
+    requests = []
+    for i in range(count):
+        llm.load_lora(f"random-{i}", random_adapter_tensors(llm, rank, seed + i), config)
+        requests.append(LoRARequest(f"random-{i}", i + 1))
+    return requests
+
+
+def lora_update_ms(llm: LLM, adapter: LoRARequest, seed: int, repeats: int = 3) -> float:
+    """The median wall time of `update_lora` of one adapter with new random weights (made beforehand), until the
+    tables hold them."""
+    import jax
+
+    rank = llm.config.lora.max_lora_rank
+    times = []
+    for i in range(repeats):
+        tensors = random_adapter_tensors(llm, rank, seed + 1000 + i)
+        start = time.perf_counter()
+        llm.update_lora(adapter.lora_name, tensors)
+        jax.block_until_ready(llm.engine.runner.weights.lora)
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def lora_summary(llm: LLM, adapters: Sequence[LoRARequest], seed: int) -> LoraSummary | None:
+    if not adapters:
+        return None
+    return LoraSummary(len(adapters), llm.config.lora.max_lora_rank, lora_update_ms(llm, adapters[0], seed))
+
+
 def timed_generate(
-    llm: LLM, workload: Workload, sampling: SamplingOptions, max_concurrency: int | None = None
+    llm: LLM,
+    workload: Workload,
+    sampling: SamplingOptions,
+    max_concurrency: int | None = None,
+    adapters: Sequence[LoRARequest] = (),
 ) -> TimedRun:
-    """Generates the workload (at most max_concurrency requests at once: `closed_loop_generate`); a request
-    that could not be served is a RuntimeError (it would skew the figures)."""
+    """Generates the workload (at most max_concurrency requests at once: `closed_loop_generate`), request i with
+    adapters[i % len(adapters)] when there are any; a request that could not be served is a RuntimeError (it would
+    skew the figures)."""
     params = sampling.params(workload.output_lens)
+    lora = [adapters[i % len(adapters)] for i in range(len(workload.prompts))] if adapters else None
     start = time.perf_counter()
     if max_concurrency is None:
-        outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+        outputs = llm.generate(workload.prompts, params, use_tqdm=False, lora_request=lora)
     else:
-        outputs = closed_loop_generate(llm, workload.prompts, params, max_concurrency)
+        outputs = closed_loop_generate(llm, workload.prompts, params, max_concurrency, lora)
     elapsed = time.perf_counter() - start
     failed = [o for o in outputs if o.error is not None]
     if failed:
@@ -358,7 +430,11 @@ def timed_generate(
 
 
 def closed_loop_generate(
-    llm: LLM, prompts: Sequence[Any], params: Sequence[SamplingParams], max_concurrency: int
+    llm: LLM,
+    prompts: Sequence[Any],
+    params: Sequence[SamplingParams],
+    max_concurrency: int,
+    lora: Sequence[LoRARequest | None] | None = None,
 ) -> list[RequestOutput]:
     """The prompts' final outputs (in their order), with at most max_concurrency requests unfinished at once:
     whenever a step finishes some, as many of the next prompts are submitted before the next step."""
@@ -366,14 +442,15 @@ def closed_loop_generate(
 
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
         raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
-    queue = collections.deque(zip(range(len(prompts)), normalize_prompts(list(prompts)), params, strict=True))
+    adapters = [llm._adapter_name(r) for r in lora] if lora is not None else [None] * len(prompts)
+    queue = collections.deque(zip(range(len(prompts)), normalize_prompts(list(prompts)), params, adapters, strict=True))
     outputs: dict[int, RequestOutput] = {}  # prompt index -> final output
     running: dict[str, int] = {}  # request id -> prompt index
     try:
         while queue or running:
             while queue and len(running) < max_concurrency:
-                index, prompt, request_params = queue.popleft()
-                running[llm._add(prompt, request_params, stream=False)] = index
+                index, prompt, request_params, adapter = queue.popleft()
+                running[llm._add(prompt, request_params, stream=False, lora_name=adapter)] = index
             for request_id in llm._pump():
                 output = llm._take(request_id) if request_id in running else None
                 if output is not None and output.finished:
@@ -403,6 +480,7 @@ class ThroughputResult:
     tpot_ms: Percentiles | None
     latency_ms: Percentiles | None
     steps: StepSummary
+    lora: LoraSummary | None = None
 
 
 def run_throughput(
@@ -413,11 +491,14 @@ def run_throughput(
     warmup: Workload,
     max_concurrency: int | None = None,
     iteration_log: str | None = None,
+    adapters: Sequence[LoRARequest] = (),
+    seed: int = 0,
 ) -> ThroughputResult:
-    """The warm-up generate, then the timed one (at most max_concurrency requests at once); its steps go to
+    """The warm-up generate, then the timed one (at most max_concurrency requests at once; request i with
+    adapters[i % len(adapters)] when there are any, then the adapter update timed); its steps go to
     `iteration_log` (a path, `write_iteration_log`) when given."""
-    timed_generate(llm, warmup, sampling)
-    run = timed_generate(llm, workload, sampling, max_concurrency)
+    timed_generate(llm, warmup, sampling, adapters=adapters)
+    run = timed_generate(llm, workload, sampling, max_concurrency, adapters)
     if iteration_log is not None:
         write_iteration_log(iteration_log, iteration_records(run))
     times = request_times(run.outputs)
@@ -436,6 +517,7 @@ def run_throughput(
         tpot_ms=times.tpot_ms,
         latency_ms=times.latency_ms,
         steps=step_summary(run.stats),
+        lora=lora_summary(llm, adapters, seed),
     )
 
 
@@ -455,6 +537,7 @@ class LatencyResult:
     ttft_ms: Percentiles | None
     tpot_ms: Percentiles | None
     steps: StepSummary
+    lora: LoraSummary | None = None
 
 
 def run_latency(
@@ -464,14 +547,16 @@ def run_latency(
     engine: EngineSummary,
     num_warmup: int,
     iteration_log: str | None = None,
+    adapters: Sequence[LoRARequest] = (),
+    seed: int = 0,
 ) -> LatencyResult:
     """Generates each batch in turn; the first `num_warmup` are not timed. output_tok_per_s is the mean
     iteration's: output tokens over the mean latency. The timed iterations' steps go to `iteration_log`."""
     if len(batches) <= num_warmup:
         raise ValueError(f"got {len(batches)} batches for {num_warmup} warm-up iterations: none would be timed")
     for batch in batches[:num_warmup]:
-        timed_generate(llm, batch, sampling)
-    runs = [timed_generate(llm, batch, sampling) for batch in batches[num_warmup:]]
+        timed_generate(llm, batch, sampling, adapters=adapters)
+    runs = [timed_generate(llm, batch, sampling, adapters=adapters) for batch in batches[num_warmup:]]
     latencies = [run.elapsed_s for run in runs]
     times = request_times([o for run in runs for o in run.outputs])
     first = batches[0]
@@ -492,6 +577,7 @@ def run_latency(
         ttft_ms=times.ttft_ms,
         tpot_ms=times.tpot_ms,
         steps=step_summary([s for run in runs for s in run.stats]),
+        lora=lora_summary(llm, adapters, seed),
     )
 
 
@@ -534,6 +620,7 @@ def format_throughput(result: ThroughputResult) -> str:
         f"output throughput   {r.output_tok_per_s:.1f} tok/s",
         f"total throughput    {r.total_tok_per_s:.1f} tok/s",
         f"request throughput  {r.requests_per_s:.2f} req/s",
+        *_lora_lines(r.lora),
         "",
         *_percentile_table([("TTFT (ms)", r.ttft_ms), ("TPOT (ms)", r.tpot_ms), ("latency (ms)", r.latency_ms)]),
         "",
@@ -550,12 +637,22 @@ def format_latency(result: LatencyResult) -> str:
         f"batch               {r.batch_size} x {r.input_len} prompt tokens -> {r.output_len} output tokens",
         f"iterations          {r.num_iters} timed after {r.num_warmup} warm-up",
         f"output throughput   {r.output_tok_per_s:.1f} tok/s",
+        *_lora_lines(r.lora),
         "",
         *_percentile_table([("latency (s)", r.latency_s), ("TTFT (ms)", r.ttft_ms), ("TPOT (ms)", r.tpot_ms)]),
         "",
         *_step_lines(r.steps),
     ]
     return "\n".join(lines)
+
+
+def _lora_lines(lora: LoraSummary | None) -> list[str]:
+    if lora is None:
+        return []
+    return [
+        f"LoRA adapters       {lora.adapters} of rank {lora.rank} on every projection, requests spread over them",
+        f"adapter update      {lora.update_ms:.1f} ms (update_lora of one, median of 3)",
+    ]
 
 
 def _engine_lines(kind: str, e: EngineSummary, steps: StepSummary) -> list[str]:

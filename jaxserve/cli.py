@@ -120,13 +120,16 @@ def run_bench(args: argparse.Namespace) -> str:
     sampling = workload.SamplingOptions(
         args.temperature, args.top_p, args.top_k, args.seed if args.seed_per_request else None
     )
+    adapters = bench.random_adapters(llm, args.lora_adapters, args.seed) if args.lora_adapters else []
     if is_throughput:
         warmup = workload.warmup_workload(batches[0], vocab, args.seed)
         result = bench.run_throughput(
-            llm, batches[0], sampling, engine, warmup, args.max_concurrency, args.iteration_log
+            llm, batches[0], sampling, engine, warmup, args.max_concurrency, args.iteration_log, adapters, args.seed
         )
     else:
-        result = bench.run_latency(llm, batches, sampling, engine, args.num_warmup, args.iteration_log)
+        result = bench.run_latency(
+            llm, batches, sampling, engine, args.num_warmup, args.iteration_log, adapters, args.seed
+        )
     return bench.report(result, as_json=args.json)
 
 
@@ -156,9 +159,17 @@ def _bench_llm(args: argparse.Namespace, model: Any, tokenizer: Any, max_seq_len
         # penalty_variants: the benchmark's requests have none; lazy=False: the whole table at start, as a
         # server compiles it, so no timed step waits for a compile.
         **_engine_keywords(args, penalty_variants=False, lazy=False),
+        **_bench_lora_keywords(args),
         seed=args.seed,
         show_progress=args.verbose,
     )
+
+
+def _bench_lora_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """--lora-adapters N: an engine with N adapter slots of rank --max-lora-rank."""
+    if not args.lora_adapters:
+        return {}
+    return {"enable_lora": True, "max_loras": args.lora_adapters, "max_lora_rank": args.max_lora_rank}
 
 
 def _engine_keywords(args: argparse.Namespace, **compile_options: Any) -> dict[str, Any]:
@@ -213,7 +224,11 @@ def run_serve(args: argparse.Namespace) -> None:
     from jaxserve.server.launch import serve
 
     config = ServerConfig(
-        args.served_model_name or served_name(args), args.api_key, args.max_request_bytes, args.stream_interval
+        args.served_model_name or served_name(args),
+        args.api_key,
+        args.max_request_bytes,
+        args.stream_interval,
+        tuple(args.lora_modules),
     )
     if args.coordinator is None and not args.engine_thread:
         from jaxserve.server.engine_process import EngineProcess
@@ -231,6 +246,15 @@ def run_serve(args: argparse.Namespace) -> None:
         serve(llm, args.host, args.port, config)
     finally:
         llm.close()
+
+
+def _validate_lora(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    names = [module.name for module in args.lora_modules]
+    served = args.served_model_name or served_name(args)
+    if len(set(names)) != len(names) or served in names:
+        parser.error(f"--lora-modules: each NAME must be unique and differ from the served model name {served!r}")
 
 
 def _validate_multihost(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -284,6 +308,9 @@ def served_llm(args: argparse.Namespace) -> tuple[Any, str]:
             args, prompt_logprobs=args.enable_prompt_logprobs, penalty_variants=not args.no_penalty_variants
         ),
         logprobs_mode=args.logprobs_mode,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         seed=args.seed,
         show_progress=args.verbose,
     )
@@ -301,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.random_weights is not None and args.model != DEFAULT_MODEL:
             parser.error(f"give MODEL or --random-weights, not both (got {args.model!r} and {args.random_weights!r})")
         _validate_multihost(args, parser)
+        _validate_lora(args, parser)
     else:
         _validate(args, parser)
     logging.basicConfig(

@@ -160,6 +160,18 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--seed-per-request", action="store_true", help="request i samples with seed + i (the same whatever the batch)"
     )
     _add_engine_options(parser.add_argument_group("engine"))
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--lora-adapters",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="N random adapters on all seven projections (rank --max-lora-rank), N slots, request i served with "
+        "adapter i mod N; the report adds the time of one adapter's update (default: none, the base model)",
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=_int_at_least(1), default=16, metavar="R", help="the adapters' rank (default: 16)"
+    )
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     output.add_argument(
@@ -377,6 +389,9 @@ def _add_serve_parser(commands: Any) -> None:
         )
     )
     _add_serve_engine_options(parser.add_argument_group("engine"))
+    _add_lora_options(
+        parser.add_argument_group("LoRA adapters (a request's 'model' names the adapter it is served with)")
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's progress to stderr")
 
 
@@ -414,6 +429,53 @@ def _add_server_options(server: Any) -> None:
         help="run the engine in a thread of the server process, sharing its GIL with the HTTP front end "
         "(default: in a process of its own; multi-host runs always use the thread)",
     )
+
+
+def _add_lora_options(lora: Any) -> None:
+    positive = _int_at_least(1)
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the base model, and the routes /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter that load and unload them at runtime",
+    )
+    lora.add_argument(
+        "--max-loras", type=positive, default=1, metavar="N", help="adapters on the device at once (default: 1)"
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=positive, default=16, metavar="R", help="the largest adapter rank served (default: 16)"
+    )
+    lora.add_argument(
+        "--lora-modules",
+        type=_lora_module,
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories loaded at start, each served as the model NAME; also vLLM's JSON form "
+        '\'{"name": NAME, "path": PATH}\' (needs --enable-lora)',
+    )
+
+
+def _lora_module(text: str) -> Any:
+    """NAME=PATH, or vLLM's JSON {"name": ..., "path": ...}, as a `LoraModule`."""
+    import json
+
+    from jaxserve.server.config import LoraModule
+
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"is not valid JSON ({error}): {text!r}") from None
+        if not isinstance(fields, dict) or not {"name", "path"} <= set(fields):
+            raise argparse.ArgumentTypeError(f'must be NAME=PATH or {{"name": ..., "path": ...}}, got {text!r}')
+        name, path = fields["name"], fields["path"]
+    else:
+        name, _, path = text.partition("=")
+    try:
+        return LoraModule(name, path)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be NAME=PATH (both non-empty), got {text!r}") from None
 
 
 def _add_multihost_options(multihost: Any) -> None:

@@ -136,8 +136,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stepping = False  # inside step(): an abort from a finaliser waits for the next one
         self._ids = itertools.count()
-        # LoRA adapters this engine may serve: name -> (adapter, one slot's table rows); `load_adapter` adds them.
-        self.adapters: dict[str, tuple[LoraAdapter, Any]] = {}
+        # LoRA adapters this engine may serve, by name; `load_adapter` adds them.
+        self.adapters: dict[str, LoraAdapter] = {}
         self.asleep = False  # sleep() .. wake_up()
         self.closed = False
         _log_ready(self.runner.spec, self.buckets)
@@ -219,14 +219,14 @@ class Engine:
         changes with its version) and, if it holds a slot, the slot is rewritten now. Nothing compiles. Replacing
         is refused while a request is unfinished."""
         self._check_open("load_adapter")
-        lora = self._lora_config("load_adapter")
-        rows = self.runner.weights.adapter_rows(adapter.weights, lora.max_lora_rank)
+        self._lora_config("load_adapter")
+        self.runner.weights.check_adapter(adapter.weights)
         if adapter.name in self.adapters:
             self._refuse_while_busy("replacing an adapter")
             slot = self.scheduler.lora_slots.slot_of(adapter.name)
             if slot is not None:
-                self.runner.weights.write_adapter(slot, rows)
-        self.adapters[adapter.name] = (adapter, rows)
+                self.runner.weights.write_adapter(slot, adapter)
+        self.adapters[adapter.name] = adapter
 
     def unload_adapter(self, name: str) -> None:
         """Forgets an adapter (its slot zeroed and freed). Refused while a request is unfinished."""
@@ -244,7 +244,7 @@ class Engine:
         self._lora_config("a request with a LoRA adapter")
         if name not in self.adapters:
             raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters)}")
-        return self.adapters[name][0]
+        return self.adapters[name]
 
     def _lora_config(self, what: str) -> LoraConfig:
         if self.config.lora is None:
@@ -255,7 +255,7 @@ class Engine:
         """Writes the slots the scheduler gave to adapters not in them yet (before the step that reads them)."""
         pending = self.scheduler.lora_slots.pending
         for slot, name in pending.items():
-            self.runner.weights.write_adapter(slot, self.adapters[name][1])
+            self.runner.weights.write_adapter(slot, self.adapters[name])
         pending.clear()
 
     # ---- device memory between uses: sleep, wake_up, close -----------------------------------------
@@ -332,11 +332,14 @@ class Engine:
         *,
         stream: bool = True,
         stream_interval: int = 1,
+        lora_name: str | None = None,
     ) -> Future[str]:
         """Thread-safe `add_request`: applied at the engine's next step; the future holds the request id, or
         the error that refused the request. A future cancelled before that step adds nothing."""
         future, add = _deferred(
-            lambda: self.add_request(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
+            lambda: self.add_request(
+                prompt, params, request_id, stream=stream, stream_interval=stream_interval, lora_name=lora_name
+            )
         )
         self._inbox.put(add)
         return future

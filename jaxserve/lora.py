@@ -2,9 +2,9 @@
 from PEFT-named arrays in memory (`LoraAdapter`), and which adapter holds which of the engine's slots
 (`LoraSlots`, least recently used first out). The device side is `jaxserve/models/lora.py`.
 
-An adapter is kept as its (layer, module) -> (A [in, r], B [r, out]) float32 pairs in Hugging Face's layout
-(A = lora_A.weight transposed, B = lora_B.weight transposed, the scaling alpha / r, or alpha / sqrt(r) with rsLoRA,
-folded into B): the engine writes them into a slot of its tables when a request needs the adapter.
+An adapter is kept as its (layer, module) -> (A [r, in], B [out, r]) float32 pairs in PEFT's layout (lora_A.weight,
+lora_B.weight, as they are: no copy) and its scaling (alpha / r, or alpha / sqrt(r) with rsLoRA): the engine writes
+them into a slot of its tables (transposed, scaled and placed on the device) when a request needs the adapter.
 
 Host policy: no jax here.
 """
@@ -62,12 +62,14 @@ class LoRARequest:
 
 @dataclass(frozen=True, slots=True)
 class LoraAdapter:
-    """An adapter's weights: (layer, module) -> (A [in, r], B [r, out]) float32, the scaling folded into B; its
-    rank; and `version`, which changes whenever its weights do (the prefix cache keys blocks by it)."""
+    """An adapter's weights: (layer, module) -> (A [r, in], B [out, r]) float32 (PEFT's lora_A / lora_B); the
+    scaling its product is multiplied by; its rank; and `version`, which changes whenever its weights do (the
+    prefix cache keys blocks by it)."""
 
     name: str
     rank: int
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    scaling: float = 1.0
     config: dict[str, Any] = field(default_factory=dict)  # its adapter_config (what a later update is read with)
     version: int = 0
 
@@ -147,10 +149,13 @@ def from_qwix(name: str, flat: Mapping[str, Any], config: Mapping[str, Any]) -> 
         if b.shape[0] != rank:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_a {a.shape}, lora_b {b.shape}")
         ranks.add(rank)
-        weights[(layer, module)] = (a.reshape(-1, rank), b.reshape(rank, -1) * (alpha / rank))
+        weights[(layer, module)] = (a.reshape(-1, rank).T, b.reshape(rank, -1).T)  # views in PEFT's layout
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} holds no qwix LoRA parameters")
-    return LoraAdapter(name, max(ranks), weights, {"lora_alpha": alpha})
+    if len(ranks) > 1:
+        raise ValueError(f"LoRA adapter {name!r}: its modules have ranks {sorted(ranks)}; one rank is served")
+    (rank,) = ranks
+    return LoraAdapter(name, rank, weights, alpha / rank, {"lora_alpha": alpha})
 
 
 def read_peft_dir(name: str, path: str | os.PathLike) -> LoraAdapter:
@@ -196,10 +201,10 @@ def from_peft(name: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) 
                 f"LoRA adapter {name!r}: layer {layer} {module} has lora_A {a.shape} and lora_B {b.shape}, "
                 f"expected [r, in] and [out, r] with r = {rank} (adapter_config's r)"
             )
-        weights[(layer, module)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T) * scaling)
+        weights[(layer, module)] = (a, b)
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} holds no lora_A / lora_B weights")
-    return LoraAdapter(name, rank, weights, config)
+    return LoraAdapter(name, rank, weights, scaling, config)
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
@@ -211,7 +216,7 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def _rank_and_scaling(name: str, config: dict[str, Any]) -> tuple[int, float]:
-    """adapter_config's rank and the scaling folded into B; ValueError for what this engine does not compute."""
+    """adapter_config's rank and the scaling of its product; ValueError for what this engine does not compute."""
     peft_type = str(config.get("peft_type", "LORA"))
     if peft_type.split(".")[-1].upper() != "LORA":
         raise ValueError(f"LoRA adapter {name!r}: peft_type {peft_type!r} is not LORA")

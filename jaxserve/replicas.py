@@ -144,7 +144,14 @@ class ReplicaSet:
         return request_id
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+        lora_name: str | None = None,
     ) -> Future[str]:
         """Thread-safe `add`, applied at the replica's next step (`Engine.submit`); a submission the engine
         refuses, or one cancelled before that step, leaves the replica's load."""
@@ -152,7 +159,7 @@ class ReplicaSet:
             replica = least_loaded(self._loads)
             self._route(request_id, replica, params)
             future = self.engines[replica].submit(
-                prompt, params, request_id, stream=stream, stream_interval=stream_interval
+                prompt, params, request_id, stream=stream, stream_interval=stream_interval, lora_name=lora_name
             )
         future.add_done_callback(lambda done: self._forget_refused(request_id, done))
         return future

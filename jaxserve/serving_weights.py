@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxserve.lora import LoraAdapter
 from jaxserve.models import lora
 from jaxserve.models.common import ParamSpec, delete_arrays
 from jaxserve.sharding.rules import named_shardings
@@ -41,35 +42,37 @@ class ServingWeights:
 
     def _start_adapters(self, spec: RunnerSpec, mesh: Mesh) -> None:
         """Zeroed adapter tables on the mesh, split as the weights they sit beside (the specs of the unquantized
-        linears: the tables stay in the serving dtype), and their slot writer, compiled now."""
-        self.lora_specs = lora.table_specs(
-            spec.family.serving_specs(spec.cfg), spec.lora.max_loras, spec.lora.max_lora_rank
-        )
-        shardings = named_shardings(self.lora_specs, mesh, spec.rules)
+        linears: the tables stay in the serving dtype), and their writer, its updates compiled now."""
+        plain_specs = spec.family.serving_specs(spec.cfg)
+        specs = lora.table_specs(plain_specs, spec.lora.max_loras, spec.lora.max_lora_rank)
+        shardings = named_shardings(specs, mesh, spec.rules)
         self.lora = jax.jit(
             lambda: jax.tree.map(
-                lambda s: jnp.zeros(s.shape, spec.dtype), self.lora_specs, is_leaf=lambda x: isinstance(x, ParamSpec)
+                lambda s: jnp.zeros(s.shape, spec.dtype), specs, is_leaf=lambda x: isinstance(x, ParamSpec)
             ),
             out_shardings=shardings,
         )()
-        self._lora_writer = lora.LoraTableWriter(shardings)
-        self.write_adapter(0, None)  # slot 0, the base model, stays zero: this compiles the writer once
+        self._lora_writer = lora.LoraTableWriter(lora.module_sites(plain_specs), shardings, spec.lora.max_lora_rank)
+        self.lora = self._lora_writer.warm(self.lora)
+
+    def check_adapter(self, adapter_weights: Any) -> None:
+        """ValueError unless an adapter's (layer, module) -> (A, B) weights fit the model and the tables
+        (`lora.check_adapter`)."""
+        writer = self._lora_writer
+        lora.check_adapter(adapter_weights, writer.sites, writer.max_rank)
+
+    def write_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Writes an adapter (None: zeros, no adapter) into one slot of the tables; compiles nothing for a rank
+        written before (the tables' own at start)."""
+        if adapter is None:
+            self.lora = self._lora_writer.write(self.lora, slot, None)
+        else:
+            self.lora = self._lora_writer.write(self.lora, slot, adapter.weights, adapter.scaling)
 
     @property
     def step_weights(self) -> StepWeights:
         """What the compiled forwards take: the serving weights and the adapter tables."""
         return StepWeights(self.arrays, self.lora)
-
-    def adapter_rows(self, adapter_weights: Any, max_rank: int) -> Any:
-        """One slot's rows (numpy) of an adapter's (layer, module) -> (A, B) weights, checked against the model
-        (`lora.table_rows`)."""
-        return lora.table_rows(adapter_weights, self._family.serving_specs(self._cfg), max_rank)
-
-    def write_adapter(self, slot: int, rows: Any) -> None:
-        """Writes one slot of the adapter tables (rows None: zeros, no adapter); compiles nothing after the first."""
-        if rows is None:
-            rows = lora.zero_rows(self.lora_specs)
-        self.lora = self._lora_writer.write(self.lora, slot, rows)
 
     @property
     def on_device(self) -> bool:

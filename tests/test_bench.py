@@ -5,6 +5,7 @@ checked)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -53,7 +54,7 @@ PERCENTILE_KEYS = {"mean", "p50", "p90", "p99"}
 ITERATION_KEYS = {"iteration", "step", "launched_s", "gap_ms", "num_tokens", "num_seqs", "num_prefill_rows"}
 ITERATION_KEYS |= {"bucket_tokens", "bucket_seqs", "kv_usage", "num_preempted", "prefix_hit_rate", "host_ms"}
 ITERATION_KEYS |= {"dispatch_ms"}
-COMMON_KEYS = {"benchmark", "engine", "output_tok_per_s", "ttft_ms", "tpot_ms", "steps"}
+COMMON_KEYS = {"benchmark", "engine", "output_tok_per_s", "ttft_ms", "tpot_ms", "steps", "lora"}
 THROUGHPUT_KEYS = COMMON_KEYS | {
     "num_requests",
     "max_concurrency",
@@ -314,6 +315,10 @@ def test_the_latency_report_and_its_json_keys():
     assert set(record) == LATENCY_KEYS and record["benchmark"] == "latency"
     assert record["iteration_latencies_s"] == [0.123457, 0.2, 0.3]  # 6 significant digits
     assert set(record["latency_s"]) == PERCENTILE_KEYS and set(record["engine"]) == ENGINE_KEYS
+    assert record["lora"] is None
+    with_lora = dataclasses.replace(result, lora=bench.LoraSummary(4, 16, 12.5))
+    assert "LoRA adapters       4 of rank 16" in bench.report(with_lora) and "12.5 ms" in bench.report(with_lora)
+    assert json.loads(bench.to_json(with_lora))["lora"] == {"adapters": 4, "rank": 16, "update_ms": 12.5}
 
 
 # ---- the command line ---------------------------------------------------------------------------
@@ -338,6 +343,7 @@ def test_the_latency_report_and_its_json_keys():
         (["throughput", "--max-concurrency", "0"], "argument --max-concurrency: must be an int >= 1, got 0"),
         (["latency", "--num-warmup", "-1"], "argument --num-warmup: must be an int >= 0, got -1"),
         (["latency", "--num-iters", "0"], "argument --num-iters: must be an int >= 1, got 0"),
+        (["latency", "--lora-adapters", "0"], "argument --lora-adapters: must be an int >= 1, got 0"),
         (["latency", "--dataset", "d.jsonl"], "unrecognized arguments: --dataset"),
         ([], "the following arguments are required: benchmark"),
     ],
@@ -422,8 +428,8 @@ def test_throughput_at_a_max_concurrency_keeps_that_many_requests_in_the_engine(
     runs = []  # (max_concurrency, run): each main() runs a warm-up generate, then the timed one
     real = bench.timed_generate
 
-    def timed(llm, workload, sampling, max_concurrency=None):
-        runs.append((max_concurrency, real(llm, workload, sampling, max_concurrency)))
+    def timed(llm, workload, sampling, max_concurrency=None, adapters=()):
+        runs.append((max_concurrency, real(llm, workload, sampling, max_concurrency, adapters)))
         return runs[-1][1]
 
     monkeypatch.setattr(bench, "timed_generate", timed)

@@ -19,8 +19,8 @@ wraps each targeted weight of the step's layers in a `LoraLinear` with the one-h
     xa = einsum(x, a)            [T, S, P*R]   every slot's A for every token (S*P*R columns: a thin GEMM)
     delta = einsum(xa * onehot, b)              each token keeps its own slot's columns, then one GEMM with B
 
-Writing a slot (`LoraTableWriter`) is one jitted update of the whole table, compiled once at start: loading,
-replacing or unloading an adapter compiles nothing.
+Writing a slot (`LoraTableWriter`) is one jitted update per module (its A and B sent as they are, placed on the
+device), compiled once per module shape at start: loading, replacing or unloading an adapter compiles nothing.
 
 Legend beyond docs' (STYLE.md): S adapter slots, R the table's rank, P the modules a fused linear holds.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -119,111 +120,170 @@ def table_specs(serving_specs: Any, max_loras: int, max_rank: int) -> tuple[dict
     return tuple(layers)
 
 
-def table_rows(
-    adapter_weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]], serving_specs: Any, max_rank: int
-) -> tuple[dict[str, LoraTable], ...]:
-    """One slot's rows of every table (numpy float32, no slot axis) from an adapter's weights: (layer, module) ->
-    (A [in, r], B [r, out], the scaling folded in), in the Hugging Face layouts (A = lora_A.weight.T). Modules the
-    adapter does not target stay zero. Raises ValueError for a rank above max_rank, a module no layer holds, or a
-    shape that is not the model's."""
-    held = {
-        (index, m)
-        for index, layer in enumerate(serving_specs.layers)
-        for ms in layer_modules(type(layer)).values()
-        for m in ms
-    }
-    for layer, module in sorted(set(adapter_weights) - held):
-        where = (
-            "a layer the model lacks"
-            if layer >= len(serving_specs.layers)
-            else "a projection adapters cannot target here"
-        )
-        raise ValueError(
-            f"the adapter targets layer {layer} {module}: {where} (the model has {len(serving_specs.layers)} layers; "
-            f"adapters target {sorted({m for _, m in held})})"
-        )
-    rows = []
+@dataclass(frozen=True, slots=True)
+class ModuleSite:
+    """Where one module's A and B lie in its layer's tables: the fused linear (`field`), its index among the
+    `num_parts` modules that linear holds (`part`: its columns of a and rows of b), A's inputs in the linear's input
+    axes and B's number of outputs in the module's own (Hugging Face) layout."""
+
+    layer: int
+    field: str
+    part: int
+    num_parts: int
+    module: str
+    in_shape: tuple[int, ...]
+    out_width: int
+
+
+def module_sites(serving_specs: Any) -> dict[tuple[int, str], ModuleSite]:
+    """(layer, module) -> its `ModuleSite`, for every module a layer's linears hold."""
+    sites = {}
     for index, layer in enumerate(serving_specs.layers):
-        table = {}
         for name, modules in layer_modules(type(layer)).items():
             spec, num_in = getattr(layer, name), type(layer).LINEARS[name]
             in_shape, out_shape = spec.shape[:num_in], spec.shape[num_in:]
-            a = np.zeros((*in_shape, len(modules) * max_rank), np.float32)
-            b = np.zeros((len(modules) * max_rank, *out_shape), np.float32)
-            for p, module in enumerate(modules):
-                pair = adapter_weights.get((index, module))
-                if pair is None:
-                    continue
-                module_a, module_b = pair
-                rank = module_a.shape[1]
-                if rank > max_rank:
-                    raise ValueError(f"layer {index} {module}: rank {rank} is above max_lora_rank {max_rank}")
-                columns = slice(p * max_rank, p * max_rank + rank)
-                if module_a.shape[0] != int(np.prod(in_shape)):
-                    raise ValueError(
-                        f"layer {index} {module}: lora_A has {module_a.shape[0]} inputs, the model's {module} "
-                        f"{int(np.prod(in_shape))}: the adapter is for another base model"
-                    )
-                a[..., columns] = module_a.reshape(*in_shape, rank)
-                b[columns] = _placed_b(name, module, module_b, out_shape, index)
-            table[name] = LoraTable(a, b)
-        rows.append(table)
-    return tuple(rows)
+            for part, module in enumerate(modules):
+                sites[(index, module)] = ModuleSite(
+                    index, name, part, len(modules), module, in_shape, _out_width(name, module, out_shape)
+                )
+    return sites
 
 
-def _placed_b(name: str, module: str, module_b: np.ndarray, out_shape: tuple[int, ...], layer: int) -> np.ndarray:
-    """A module's B [r, out] placed in its fused linear's output layout [r, *out] (zeros where other modules are):
-    wqkv [K, G+2, Dh] groups each kv head's G query heads, then its key, then its value; w_gate_up [2, F]."""
-    rank, width = module_b.shape
-    placed = np.zeros((rank, *out_shape), np.float32)
+def _out_width(name: str, module: str, out_shape: tuple[int, ...]) -> int:
+    """A module's outputs in Hugging Face's layout: q_proj H*Dh, k_proj / v_proj K*Dh of wqkv's [K, G+2, Dh]; gate
+    or up F of w_gate_up's [2, F]; the whole output otherwise."""
     if name == "wqkv":
         k, groups, dh = out_shape
+        return k * (groups - 2) * dh if module == "q_proj" else k * dh
+    if name == "w_gate_up":
+        return out_shape[1]
+    return int(np.prod(out_shape))
+
+
+def check_adapter(
+    adapter_weights: dict[tuple[int, str], tuple[Any, Any]], sites: dict[tuple[int, str], ModuleSite], max_rank: int
+) -> None:
+    """ValueError unless every (layer, module) -> (A [r, in], B [out, r]) of an adapter has a site in the model, a
+    rank <= max_rank and the model's shapes."""
+    num_layers = 1 + max((layer for layer, _ in sites), default=-1)
+    for (layer, module), (a, b) in sorted(adapter_weights.items()):
+        site = sites.get((layer, module))
+        if site is None:
+            where = "a layer the model lacks" if layer >= num_layers else "a projection adapters cannot target here"
+            raise ValueError(
+                f"the adapter targets layer {layer} {module}: {where} (the model has {num_layers} layers; adapters "
+                f"target {sorted({m for _, m in sites})})"
+            )
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise ValueError(f"layer {layer} {module}: rank {rank} is above max_lora_rank {max_rank}")
+        inputs = int(np.prod(site.in_shape))
+        if a.shape[1] != inputs or b.shape != (site.out_width, rank):
+            raise ValueError(
+                f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} (as [r, in] and "
+                f"[out, r]), the model's {module} takes {inputs} inputs to {site.out_width} outputs: the adapter is "
+                "for another base model"
+            )
+
+
+def _write_module(
+    table: LoraTable,
+    slot: Int[Array, ""],
+    a: Float[Array, "r I"],
+    b: Float[Array, "O r"],
+    scaling: Float[Array, ""],
+    *,
+    site: ModuleSite,
+) -> LoraTable:
+    """The table with one module's A [R, in] and B [out, R] (PEFT's layout, padded to the table's rank R) in
+    `slot`: A transposed into its part's columns of a; B transposed, scaled and placed at the module's outputs of the
+    fused layout in its part's rows of b (zeros at the other modules' outputs)."""
+    rank = table.a.shape[-1] // site.num_parts
+    part = slice(site.part * rank, (site.part + 1) * rank)
+    a = a.astype(jnp.float32).T.reshape(*site.in_shape, rank)
+    b = (b.astype(jnp.float32) * scaling).T  # [R, out]
+    out_shape = table.b.shape[2:]
+    placed = jnp.zeros((rank, *out_shape), jnp.float32)
+    if site.field == "wqkv":
+        k, groups, dh = out_shape
         g = groups - 2
-        expected = {"q_proj": k * g * dh, "k_proj": k * dh, "v_proj": k * dh}[module]
-        _check_width(module, layer, width, expected)
-        if module == "q_proj":
-            placed[:, :, :g] = module_b.reshape(rank, k, g, dh)
+        if site.module == "q_proj":
+            placed = placed.at[:, :, :g].set(b.reshape(rank, k, g, dh))
         else:
-            placed[:, :, g if module == "k_proj" else g + 1] = module_b.reshape(rank, k, dh)
-    elif name == "w_gate_up":
-        _check_width(module, layer, width, out_shape[1])
-        placed[:, 0 if module == "gate_proj" else 1] = module_b
+            placed = placed.at[:, :, g if site.module == "k_proj" else g + 1].set(b.reshape(rank, k, dh))
+    elif site.field == "w_gate_up":
+        placed = placed.at[:, 0 if site.module == "gate_proj" else 1].set(b)
     else:
-        _check_width(module, layer, width, int(np.prod(out_shape)))
-        placed[:] = module_b.reshape(rank, *out_shape)
-    return placed
-
-
-def _check_width(module: str, layer: int, width: int, expected: int) -> None:
-    if width != expected:
-        raise ValueError(
-            f"layer {layer} {module}: lora_B has {width} outputs, the model's {module} {expected}: the adapter is "
-            "for another base model"
-        )
+        placed = b.reshape(rank, *out_shape)
+    return LoraTable(
+        table.a.at[slot, ..., part].set(a.astype(table.a.dtype)),
+        table.b.at[slot, part].set(placed.astype(table.b.dtype)),
+    )
 
 
 class LoraTableWriter:
-    """Writes one slot of every table (`write(tables, slot, rows)`, the old tables donated): one jitted call,
-    compiled once for the tables' shapes and shardings, so an adapter's load, update or unload compiles nothing
-    after the first."""
+    """Writes adapters into the slots of every layer's tables, one module at a time (each a jitted update of its
+    layer's table, the old one donated): a few hundred small calls for a large model, sending only the adapter's
+    own bytes, transposed, scaled and placed on the device (an adapter of a rank below the tables' is padded on the
+    host first). The updates compile once per module shape, at start (`warm`): loading, replacing or unloading an
+    adapter compiles nothing. Tracks which modules each slot holds, so that an adapter replacing another in a slot
+    zeroes the modules it does not target."""
 
-    def __init__(self, shardings: Any) -> None:
-        self._write = jax.jit(_write_slot, donate_argnames=("tables",), out_shardings=shardings)
+    def __init__(self, sites: dict[tuple[int, str], ModuleSite], shardings: Any, max_rank: int) -> None:
+        self.sites, self.max_rank = sites, max_rank
+        self._shardings = shardings  # per layer: field -> LoraTable of NamedSharding
+        self._jitted: dict[Any, Any] = {}
+        self._held: dict[int, set[tuple[int, str]]] = {}  # slot -> the (layer, module)s written non-zero
 
-    def write(self, tables: Any, slot: int, rows: Any) -> Any:
-        return self._write(tables, jnp.int32(slot), rows)
+    def warm(self, tables: tuple[dict[str, LoraTable], ...]) -> tuple[dict[str, LoraTable], ...]:
+        """Compiles every distinct module update by writing zeros into slot 0 (the base model's, zeros already)."""
+        seen = set()
+        for key, site in self.sites.items():
+            if (site.field, site.part, site.module) not in seen:
+                seen.add((site.field, site.part, site.module))
+                tables = self._write(tables, key, 0, None, 1.0)
+        return tables
 
+    def write(
+        self,
+        tables: tuple[dict[str, LoraTable], ...],
+        slot: int,
+        weights: dict[tuple[int, str], tuple[Any, Any]] | None,
+        scaling: float = 1.0,
+    ) -> tuple[dict[str, LoraTable], ...]:
+        """`tables` with `slot` holding an adapter's (layer, module) -> (A [r, in], B [out, r]) weights times
+        `scaling` (None: no adapter, all zeros), checked by `check_adapter` beforehand."""
+        weights = weights or {}
+        stale = self._held.get(slot, set()) - set(weights)
+        for key, pair in weights.items():
+            tables = self._write(tables, key, slot, pair, scaling)
+        for key in stale:
+            tables = self._write(tables, key, slot, None, scaling)
+        self._held[slot] = set(weights)
+        return tables
 
-def _write_slot(tables: Any, slot: Int[Array, ""], rows: Any) -> Any:
-    return jax.tree.map(
-        lambda table, row: jax.lax.dynamic_update_index_in_dim(table, row.astype(table.dtype), slot, 0), tables, rows
-    )
+    def _write(self, tables: Any, key: tuple[int, str], slot: int, pair: Any, scaling: float) -> Any:
+        site = self.sites[key]
+        rank = 0 if pair is None else pair[0].shape[0]
+        if (
+            rank < self.max_rank
+        ):  # padded to the tables' rank on the host: every write runs the update compiled at start
+            a = np.zeros((self.max_rank, int(np.prod(site.in_shape))), np.float32)
+            b = np.zeros((site.out_width, self.max_rank), np.float32)
+            if pair is not None:
+                a[:rank], b[:, :rank] = pair
+            pair = (a, b)
+        layer = tables[site.layer]
+        updated = self._jit(site)(layer[site.field], np.int32(slot), *pair, np.float32(scaling))
+        return (*tables[: site.layer], {**layer, site.field: updated}, *tables[site.layer + 1 :])
 
-
-def zero_rows(specs: Any) -> Any:
-    """An all-zero slot (no adapter) for `table_rows`'s tree: what unloading writes."""
-    from jaxserve.models.common import ParamSpec
-
-    return jax.tree.map(
-        lambda spec: np.zeros(spec.shape[1:], np.float32), specs, is_leaf=lambda x: isinstance(x, ParamSpec)
-    )
+    def _jit(self, site: ModuleSite) -> Any:
+        shardings = self._shardings[site.layer][site.field]
+        key = (site.field, site.part, site.module, site.in_shape, site.out_width, shardings)
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(
+                partial(_write_module, site=dataclasses.replace(site, layer=0)),
+                donate_argnames=("table",),
+                out_shardings=shardings,
+            )
+        return self._jitted[key]

@@ -4,12 +4,17 @@
     POST /v1/completions, /v1/chat/completions   (whole responses, or server-sent events with stream=true)
     GET  /v1/models, /health, /version, /tokenizer_info, /metrics
     POST /tokenize, /detokenize
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (only when the engine serves LoRA adapters)
 
 Bodies are read here (at most `max_request_bytes`, else 413) and parsed by `protocol`; `params` turns them
 into engine inputs and `responses` turns outputs into JSON. Every error is OpenAI's error body. With an API
 key, the /v1 routes need `Authorization: Bearer <key>` (401 otherwise), as vLLM's. A client that goes away
 aborts its requests: a stream when the connection closes, a whole response through a watcher of the
 connection that cancels the handler.
+
+LoRA adapters (vLLM's): a request whose `model` is a loaded adapter's name is served with that adapter, the
+served model name with the base model. The adapters of `ServerConfig.lora_modules` are loaded at start, through
+the same engine call as /v1/load_lora_adapter; /v1/models lists each adapter with the base model as its parent.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -76,10 +82,15 @@ def build_app(model: ServedModel, frontend: AsyncEngine, config: ServerConfig) -
     engine driver (an engine thread, or the engine process's loop)."""
     server = OpenAIServer(model, frontend, config)
 
+    if config.lora_modules and not model.enable_lora:
+        names = [module.name for module in config.lora_modules]
+        raise ValueError(f"lora_modules {names} need an engine that serves LoRA adapters (enable_lora)")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         server.frontend.start()
         try:
+            await server.load_lora_modules()
             yield
         finally:
             await server.frontend.stop()
@@ -90,6 +101,9 @@ def build_app(model: ServedModel, frontend: AsyncEngine, config: ServerConfig) -
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=authorized)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=authorized)
+    if model.enable_lora:
+        for path, route in (("load", server.load_lora_adapter), ("unload", server.unload_lora_adapter)):
+            app.add_api_route(f"/v1/{path}_lora_adapter", route, methods=["POST"], dependencies=authorized)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
@@ -117,6 +131,9 @@ class OpenAIServer:
         self.frontend = frontend
         self.model_source = model.source
         self.created = int(time.time())
+        # The LoRA adapters requests may name as `model`: name -> the path it was loaded from (None: loaded on the
+        # LLM before the server started).
+        self.adapters: dict[str, str | None] = dict.fromkeys(model.adapters)
 
     # ---- /v1 -------------------------------------------------------------------------------------
 
@@ -131,9 +148,10 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
+        lora_name = self._lora_name(body.model)
         inputs = completion_inputs(body, self.tokenizer, self.limits)
         ctx = self._context(body, "cmpl", inputs, logprobs=body.logprobs, echo=body.echo)
-        group = await self._submit(inputs, ctx.id, body.stream)
+        group = await self._submit(inputs, ctx.id, body.stream, lora_name)
         if body.stream:
             return EventStream(self._completion_events(group, ctx, body.stream_options))
         finals = await self._finals(request, group)
@@ -141,10 +159,11 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        lora_name = self._lora_name(body.model)
         inputs = chat_inputs(body, self.tokenizer, self.limits)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         ctx = self._context(body, "chatcmpl", inputs, logprobs=logprobs)
-        group = await self._submit(inputs, ctx.id, body.stream)
+        group = await self._submit(inputs, ctx.id, body.stream, lora_name)
         if body.stream:
             return EventStream(self._chat_events(group, ctx, body.stream_options))
         [final] = await self._finals(request, group)
@@ -161,7 +180,64 @@ class OpenAIServer:
             "max_model_len": self.max_seq_len,
             "permission": [],
         }
-        return {"object": "list", "data": [card]}
+        adapters = [
+            {**card, "id": name, "root": path, "parent": self.model_name} for name, path in self.adapters.items()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime load: {"lora_name", "lora_path"}; the adapter is served under its name from now on."""
+        body: LoadLoraAdapterRequest = await self._parse(request, LoadLoraAdapterRequest)
+        name = body.lora_name
+        if not name:
+            raise bad_request("lora_name must be a non-empty string", "lora_name")
+        if name == self.model_name or name in self.adapters:
+            raise bad_request(
+                f"The LoRA adapter {name!r} has already been loaded (or names the base model).", "lora_name"
+            )
+        if body.load_inplace:
+            raise bad_request("load_inplace is not supported: unload the adapter, then load it again", "load_inplace")
+        await self._adapter_call(self.frontend.load_lora(name, body.lora_path), "lora_path")
+        self.adapters[name] = body.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime unload: {"lora_name"}; requests naming it are refused at once, and it is unloaded once
+        the requests in flight have finished."""
+        body: UnloadLoraAdapterRequest = await self._parse(request, UnloadLoraAdapterRequest)
+        name = body.lora_name
+        if name not in self.adapters:
+            raise bad_request(
+                f"The LoRA adapter {name!r} cannot be found; loaded: {sorted(self.adapters)}", "lora_name"
+            )
+        path = self.adapters.pop(name)
+        try:
+            await self._adapter_call(self.frontend.unload_lora(name), "lora_name")
+        except Exception:
+            self.adapters[name] = path
+            raise
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def load_lora_modules(self) -> None:
+        """The adapters of `ServerConfig.lora_modules`, loaded before the server takes requests."""
+        for module in self.config.lora_modules:
+            try:
+                await self.frontend.load_lora(module.name, module.path)
+            except Exception as error:
+                raise RuntimeError(f"LoRA module {module.name}={module.path}: {error}") from error
+            self.adapters[module.name] = module.path
+
+    async def _adapter_call(self, call: Awaitable[None], param: str) -> None:
+        """An adapter load or unload; what refused it as a 400 (an adapter the model cannot take, a path without
+        one), 503 when the engine is gone."""
+        try:
+            await call
+        except (ValueError, TypeError, OSError) as error:
+            raise bad_request(str(error), param) from None
+        except Unavailable as error:
+            raise APIError(503, str(error)) from None
 
     # ---- the other routes ------------------------------------------------------------------------
 
@@ -228,12 +304,20 @@ class OpenAIServer:
         """The body, read up to the size limit, decoded and validated; the model name checked."""
         body = protocol.parse(model, await self._read_json(request))  # type: ignore[arg-type]
         name = getattr(body, "model", None)
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).", "model")
+        if name is not None and name != self.model_name and name not in self.adapters:
+            raise APIError(404, self._no_such_model(name), "model")
         ignored = body.ignored_fields()
         if ignored:
             logger.warning("fields present in the request but ignored: %s", ", ".join(ignored))
         return body
+
+    def _lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (one `_parse` found), None for the base model."""
+        return None if model is None or model == self.model_name else model
+
+    def _no_such_model(self, name: str) -> str:
+        adapters = f", and the LoRA adapters {sorted(self.adapters)}" if self.adapters else ""
+        return f"The model `{name}` does not exist (this server serves `{self.model_name}`{adapters})."
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.config.max_request_bytes
@@ -263,7 +347,7 @@ class OpenAIServer:
         return ResponseContext(
             id=f"{prefix}-{body.request_id or uuid.uuid4().hex}",
             created=int(time.time()),
-            model=self.model_name,
+            model=getattr(body, "model", None) or self.model_name,
             tokenizer=self.tokenizer,
             n=inputs.params.n,
             logprobs=logprobs,
@@ -274,13 +358,22 @@ class OpenAIServer:
             tokens_as_ids=body.return_tokens_as_token_ids,
         )
 
-    async def _submit(self, inputs: EngineInputs, response_id: str, stream: bool) -> RequestGroup:
+    async def _submit(
+        self, inputs: EngineInputs, response_id: str, stream: bool, lora_name: str | None
+    ) -> RequestGroup:
         request_id = f"{response_id}-{uuid.uuid4().hex[:8]}"  # unique even when clients reuse request_id
         try:
             return await self.frontend.submit(
-                inputs.prompts, inputs.params, request_id, stream=stream, stream_interval=self.config.stream_interval
+                inputs.prompts,
+                inputs.params,
+                request_id,
+                stream=stream,
+                stream_interval=self.config.stream_interval,
+                lora_name=lora_name,
             )
         except (ValueError, TypeError) as error:
+            if lora_name is not None and lora_name not in self.adapters:  # unloaded since the request was parsed
+                raise APIError(404, self._no_such_model(lora_name), "model") from None
             raise bad_request(str(error)) from None
         except Unavailable as error:
             raise APIError(503, str(error)) from None
@@ -339,6 +432,31 @@ async def _events(group: RequestGroup, chunks: Any) -> AsyncIterator[str]:
         yield sse(APIError(500, f"internal error: {type(error).__name__}: {error}").body())
     finally:
         group.close()
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT adapter directory to serve under lora_name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's); lora_int_id is accepted and not needed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
 
 def _as_api_error(error: Exception) -> APIError:

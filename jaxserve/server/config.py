@@ -14,15 +14,32 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
+class LoraModule:
+    """A LoRA adapter the server loads at start (vLLM's --lora-modules name=path): clients send `name` as `model`
+    to be served with the PEFT adapter directory at `path`."""
+
+    name: str
+    path: str
+
+    def __post_init__(self) -> None:
+        for field in ("name", "path"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"a LoRA module's {field} must be a non-empty string, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """served_model_name: the name clients send as `model`; api_key: None serves without authentication;
     max_request_bytes: larger request bodies get a 413; stream_interval: a stream gets its first token at
-    once, then a chunk every stream_interval tokens (and the last one), as vLLM's --stream-interval."""
+    once, then a chunk every stream_interval tokens (and the last one), as vLLM's --stream-interval;
+    lora_modules: adapters loaded at start (the engine must serve LoRA adapters), each served under its name."""
 
     served_model_name: str
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     stream_interval: int = 1
+    lora_modules: tuple[LoraModule, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
@@ -35,13 +52,21 @@ class ServerConfig:
         interval = self.stream_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {interval!r}")
+        if not all(isinstance(module, LoraModule) for module in self.lora_modules):
+            raise ValueError(f"lora_modules must be LoraModule values, got {self.lora_modules!r}")
+        names = [module.name for module in self.lora_modules]
+        if len(set(names)) != len(names) or self.served_model_name in names:
+            raise ValueError(
+                f"lora_modules' names must differ from each other and from served_model_name "
+                f"{self.served_model_name!r}, got {names}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """What the HTTP front end needs of the engine's model, without the engine (which may run in another
-    process): the tokenizer, the length limit and vocabulary, the compiled variants and the model's source.
-    Picklable."""
+    process): the tokenizer, the length limit and vocabulary, the compiled variants, the model's source, whether
+    it serves LoRA adapters and the ones loaded already. Picklable."""
 
     tokenizer: Any
     max_seq_len: int
@@ -49,6 +74,8 @@ class ServedModel:
     prompt_logprob_variants: bool
     penalty_variants: bool
     source: str | None
+    enable_lora: bool = False
+    adapters: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, llm: LLM) -> ServedModel:
@@ -60,4 +87,6 @@ class ServedModel:
             steps.prompt_logprob_variants,
             steps.penalty_variants,
             llm.model.source,
+            llm.config.lora is not None,
+            tuple(llm.list_loras()),
         )

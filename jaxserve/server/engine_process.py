@@ -4,8 +4,9 @@ each have a GIL, so many streaming clients no longer stretch the engine's steps.
 
     server process                                       engine process (spawned)
     AsyncEngine --("submit" | "abort" | "stop")--pipe--> commands thread --> EngineDriver
+                  ("load_lora" | "unload_lora")
     AsyncEngine <--loop-- reader thread <--pipe-- sender thread <--queue-- EngineDriver.run
-                          ("submitted" | "step" | "failed" | "ended")
+                          ("submitted" | "called" | "step" | "failed" | "ended")
 
 The engine process builds the `LLM` itself (`build(arg)`, a picklable function: the devices belong to it,
 the server process never starts a jax backend) and answers ("ready", ServedModel), or ("error", the
@@ -13,6 +14,8 @@ exception) if it could not: `EngineProcess(...)` returns once the engine is read
 The server process reads its pipe in a thread of its own, which hands each message to the event loop
 (`call_soon_threadsafe`): the loop's own readiness callbacks would not do, as uvloop makes the descriptor
 non-blocking and a message can arrive in parts. Each round's outputs are one message, in the driver's order.
+A LoRA load or unload runs on the driver's side (`EngineDriver.load_lora`, through the engine process's LLM) and
+is answered ("called", its number, the error or None).
 In the engine process a sender thread pickles and writes the messages, so the engine loop waits neither on
 pickling nor on a full pipe (the reader thread needs the GIL of a busy event loop to empty it); both
 processes shorten the GIL's switch interval (`jaxserve.gil`) while these threads run.
@@ -71,6 +74,8 @@ class EngineProcess:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[Event], None] | None = None
         self._pending: dict[str, asyncio.Future[None]] = {}
+        self._calls: dict[int, asyncio.Future[None]] = {}  # LoRA loads and unloads, by number, until answered
+        self._next_call = 0
         self._gone = False
         try:
             self.model: ServedModel = self._wait_ready()
@@ -109,18 +114,41 @@ class EngineProcess:
         self._reader.start()
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+        lora_name: str | None = None,
     ) -> Awaitable[object]:
         assert self._loop is not None, "start() first"
         future: asyncio.Future[None] = self._loop.create_future()
         self._pending[request_id] = future
-        if not self._send(("submit", prompt, params, request_id, stream, stream_interval)):
+        if not self._send(("submit", prompt, params, request_id, stream, stream_interval, lora_name)):
             self._pending.pop(request_id, None)
             future.set_exception(Unavailable("the engine process is not running"))
         return future
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def load_lora(self, name: str, path: str) -> Awaitable[object]:
+        return self._call("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> Awaitable[object]:
+        return self._call("unload_lora", name)
+
+    def _call(self, kind: str, *args: Any) -> asyncio.Future[None]:
+        assert self._loop is not None, "start() first"
+        future: asyncio.Future[None] = self._loop.create_future()
+        number, self._next_call = self._next_call, self._next_call + 1
+        self._calls[number] = future
+        if not self._send((kind, number, *args)):
+            self._calls.pop(number, None)
+            future.set_exception(Unavailable("the engine process is not running"))
+        return future
 
     @property
     def is_running(self) -> bool:
@@ -168,9 +196,9 @@ class EngineProcess:
         return True
 
     def _handle(self, message: tuple[Any, ...]) -> None:
-        if message[0] == "submitted":
-            _, request_id, error = message
-            future = self._pending.pop(request_id, None)
+        if message[0] in ("submitted", "called"):
+            kind, key, error = message
+            future = (self._pending if kind == "submitted" else self._calls).pop(key, None)
             if future is not None and not future.done():
                 if error is None:
                     future.set_result(None)
@@ -186,10 +214,11 @@ class EngineProcess:
         self._gone = True
         self._process.join(1)  # it is exiting: the pipe closes with the process
         message = f"the engine process exited (code {self._process.exitcode})"
-        for future in self._pending.values():
+        for future in [*self._pending.values(), *self._calls.values()]:
             if not future.done():
                 future.set_exception(Unavailable(message))
         self._pending.clear()
+        self._calls.clear()
         if self._deliver is not None:
             self._deliver(("ended", message))
 
@@ -232,7 +261,7 @@ def _engine_main(
 
     try:
         with llm, gil.short_switch_interval():  # the loop, the commands and the sender thread share the GIL
-            driver = EngineDriver(llm.replicas, emit)
+            driver = EngineDriver(llm.replicas, emit, llm)
             emit("ready", ServedModel.of(llm))
             threading.Thread(
                 target=_serve_commands, args=(commands, driver, emit), name="jaxserve-commands", daemon=True
@@ -262,9 +291,15 @@ def _serve_commands(commands: Connection, driver: EngineDriver, emit: Callable[.
             os._exit(0)
         kind = message[0]
         if kind == "submit":
-            _, prompt, params, request_id, stream, interval = message
-            future = driver.submit(prompt, params, request_id, stream=stream, stream_interval=interval)
+            _, prompt, params, request_id, stream, interval, lora_name = message
+            future = driver.submit(
+                prompt, params, request_id, stream=stream, stream_interval=interval, lora_name=lora_name
+            )
             future.add_done_callback(lambda done, rid=request_id: emit("submitted", rid, _portable(done.exception())))
+        elif kind in ("load_lora", "unload_lora"):
+            _, number, *args = message
+            called = driver.load_lora(*args) if kind == "load_lora" else driver.unload_lora(*args)
+            called.add_done_callback(lambda done, n=number: emit("called", n, _portable(done.exception())))
         elif kind == "abort":
             driver.abort(message[1])
         elif kind == "stop":

@@ -25,6 +25,12 @@ so far), so the group keeps only the newest of each request and a slow reader ge
 instead of a queue. Closing a group before its requests finish (a client gone, a cancelled handler)
 aborts them; their blocks are freed at the next step.
 
+LoRA adapters are loaded and unloaded on the driver's side, between two rounds (`EngineDriver.call`, through the
+`LLM`'s own methods, so its bookkeeping stays whole). The engines change adapters that requests may be using only
+when idle (an unload, a load with several replicas): such a call, once refused, waits until the requests in flight
+have finished, and the submissions and aborts that arrive meanwhile are held back until it has run, so that a
+steady stream of requests cannot keep it waiting.
+
 A step that raises does not end the driver: the engine recovers (its `_recover`), the requests it had
 admitted fail with a StepFailed error (a 500) and are aborted (`ReplicaSet.abort_admitted`), and the engine
 serves on; the other replicas' requests are not touched. `shut_down` stops accepting and fails what is in flight with
@@ -35,13 +41,15 @@ engine process exit), every request in flight fails with Unavailable too.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from jaxserve import gil
 from jaxserve.bench import step_summary
@@ -49,10 +57,9 @@ from jaxserve.replicas import ReplicaSet, ReplicaStats, StepFailure
 from jaxserve.sampling import RequestOutput, SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
-if TYPE_CHECKING:
-    pass
-
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # An event of the driver, as the front end receives it: ("step", outputs, stats), ("failed", request_ids,
 # message) or ("ended", message).
@@ -127,38 +134,112 @@ class RequestGroup:
         self._release(self, [i for i in self.request_ids if i in self._unfinished])
 
 
+class Adapters(Protocol):
+    """Where the driver loads and unloads LoRA adapters: the `LLM` whose replicas it steps."""
+
+    def load_lora(self, name: str, source: Any, config: Any = None) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
+
+
+@dataclass(slots=True)
+class _Call:
+    """An action queued for the driver's thread (`EngineDriver.call`) and the future of its result."""
+
+    action: Callable[[], Any]
+    future: Future[Any]
+
+
 class EngineDriver:
     """Steps the replicas' engines while any has work, and reports each round through `emit(*event)`.
 
-    submit / abort / request_stop are thread-safe; `run` is the loop (one thread). emit is called from
+    submit / abort / call / request_stop are thread-safe; `run` is the loop (one thread). emit is called from
     the driver's thread, in order: ("step", outputs, stats) after each round with outputs, ("failed",
     request_ids, message) when a step failed and those requests were aborted, ("ended", message) when the
-    loop ends on an error."""
+    loop ends on an error. adapters: what `load_lora` / `unload_lora` go through (None: no adapters)."""
 
-    def __init__(self, replicas: ReplicaSet, emit: Callable[..., None]) -> None:
+    def __init__(self, replicas: ReplicaSet, emit: Callable[..., None], adapters: Adapters | None = None) -> None:
         self.replicas = replicas
         self._emit = emit
+        self._adapters = adapters
         self._cond = threading.Condition()
         # Guarded by _cond: work was submitted, the loop must stop, it sleeps.
         self._work = False
         self._stopping = False
         self._idle = False
+        # Guarded by _cond: the calls to run between two rounds (the first may be waiting for the replicas to be
+        # idle), and while it waits, the submissions and aborts held back until it has run (else None), each
+        # with the future a held submission fails with if the loop ends first.
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._held: list[tuple[Callable[[], None], Future[Any] | None]] | None = None
         # The loop's own time, for the summary it logs when it ends: rounds, seconds stepping and emitting.
         self._rounds = 0
         self._step_seconds = 0.0
         self._emit_seconds = 0.0
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+        lora_name: str | None = None,
     ) -> Future[str]:
-        """Queues the request on the least loaded replica (see `ReplicaSet.submit`)."""
-        future = self.replicas.submit(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
-        self._wake()
+        """Queues the request on the least loaded replica (see `ReplicaSet.submit`), or holds it back while a
+        call waits for the replicas to be idle (see `call`)."""
+
+        def send() -> Future[str]:
+            return self.replicas.submit(
+                prompt, params, request_id, stream=stream, stream_interval=stream_interval, lora_name=lora_name
+            )
+
+        with self._cond:
+            if self._held is None:
+                future = send()
+            else:
+                future = Future()
+                self._held.append((lambda: _forward(send, future), future))
+            self._work = True
+            self._cond.notify_all()
         return future
 
     def abort(self, request_id: str) -> None:
-        self.replicas.submit_abort(request_id)
-        self._wake()
+        with self._cond:
+            if self._held is None:
+                self.replicas.submit_abort(request_id)
+            else:  # after the submission it may follow, which is held too
+                self._held.append((lambda: self.replicas.submit_abort(request_id), None))
+            self._work = True
+            self._cond.notify_all()
+
+    def call(self, action: Callable[[], T]) -> Future[T]:
+        """Runs `action` on the driver's thread between two rounds, in the order of the calls; the future holds
+        its result or its error. An action that raises a RuntimeError while requests are unfinished (the
+        engines refuse what they do only when idle) runs again once they have finished, and the submissions
+        and aborts that arrive meanwhile are held back until it has run."""
+        future: Future[T] = Future()
+        with self._cond:
+            self._calls.append(_Call(action, future))
+            self._work = True
+            self._cond.notify_all()
+        return future
+
+    def load_lora(self, name: str, path: str) -> Future[None]:
+        """Loads the PEFT adapter at `path` to serve under `name` (`LLM.load_lora`), between two rounds."""
+        adapters = self._adapters_or_refuse()
+        return self.call(lambda: adapters.load_lora(name, path))
+
+    def unload_lora(self, name: str) -> Future[None]:
+        """Unloads an adapter (`LLM.unload_lora`) once no request is unfinished."""
+        adapters = self._adapters_or_refuse()
+        return self.call(lambda: adapters.unload_lora(name))
+
+    def _adapters_or_refuse(self) -> Adapters:
+        if self._adapters is None:
+            raise ValueError("this engine driver serves no LoRA adapters")
+        return self._adapters
 
     def request_stop(self) -> None:
         """The loop ends once nothing is left to run."""
@@ -174,11 +255,14 @@ class EngineDriver:
     def run(self) -> None:
         try:
             while self._next_step():
+                self._run_calls()
                 self._step()
         except BaseException as error:
             logger.critical("the engine loop ended: the server answers 503 from now on", exc_info=True)
             self._emit("ended", f"the engine loop ended on an error: {type(error).__name__}: {error}")
             raise
+        finally:
+            self._fail_calls()
         logger.info("%s", self.summary())
 
     def summary(self) -> str:
@@ -203,11 +287,6 @@ class EngineDriver:
             )
         return "; ".join(parts)
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._work = True
-            self._cond.notify_all()
-
     def _step(self) -> None:
         """One step of every replica with work; a replica whose step raises recovers alone."""
         start = time.perf_counter()
@@ -220,10 +299,51 @@ class EngineDriver:
         self._step_seconds += emitting - start
         self._emit_seconds += time.perf_counter() - emitting
 
+    def _run_calls(self) -> None:
+        """The calls queued, in order (see `call`); returns early while the first waits for the replicas to be
+        idle. Once none is left, the submissions and aborts held back go to the replicas, in order."""
+        while True:
+            with self._cond:
+                if not self._calls:
+                    held, self._held = self._held or [], None
+                    for send, _ in held:  # under the lock: an abort that arrives now comes after its submission
+                        send()
+                    return
+                call, waiting = self._calls[0], self._held is not None
+            busy = self.replicas.has_unfinished()
+            if waiting and busy:
+                return
+            try:
+                result = call.action()
+            except RuntimeError as error:
+                if busy:  # refused while requests run: tried again once they have finished
+                    with self._cond:
+                        self._held = [] if self._held is None else self._held
+                    return
+                call.future.set_exception(error)
+            except Exception as error:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(result)
+            with self._cond:
+                self._calls.popleft()
+
+    def _fail_calls(self) -> None:
+        """When the loop ends: the calls not run and the submissions held back fail with Unavailable."""
+        with self._cond:
+            calls, self._calls = list(self._calls), collections.deque()
+            held, self._held = self._held or [], None
+        error = Unavailable("the engine loop ended")
+        for call in calls:
+            call.future.set_exception(error)
+        for _, future in held:
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(error)
+
     def _next_step(self) -> bool:
         """Sleeps until there is work; False once stopping with nothing left to run."""
         with self._cond:
-            while not (self._work or self._stopping or self.replicas.has_unfinished()):
+            while not (self._work or self._stopping or self._calls or self.replicas.has_unfinished()):
                 self._idle = True
                 self._cond.wait()
             self._idle = False
@@ -239,6 +359,22 @@ class EngineDriver:
         self._emit("failed", failed, f"an engine step failed: {type(error).__name__}: {error}")
 
 
+def _forward(send: Callable[[], Future[T]], future: Future[T]) -> None:
+    """Sends a held submission and hands its outcome to the future its caller holds; nothing is sent if that
+    future was cancelled meanwhile (as the engine adds nothing for a cancelled submission)."""
+    if not future.set_running_or_notify_cancel():
+        return
+
+    def copy(done: Future[T]) -> None:
+        error = done.exception()
+        if error is None:
+            future.set_result(done.result())
+        else:
+            future.set_exception(error)
+
+    send().add_done_callback(copy)
+
+
 class Backend(Protocol):
     """Where the driver runs, as the front end sees it (EngineThread, EngineProcess)."""
 
@@ -246,11 +382,24 @@ class Backend(Protocol):
         """Starts (on the event loop); the driver's events reach `deliver` on that loop."""
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+        lora_name: str | None = None,
     ) -> Awaitable[object]:
         """Resolves once the engine took the request in; raises the ValueError / TypeError that refused it."""
 
     def abort(self, request_id: str) -> None: ...
+
+    def load_lora(self, name: str, path: str) -> Awaitable[object]:
+        """Resolves once the driver has loaded the adapter (`EngineDriver.load_lora`); raises what refused it."""
+
+    def unload_lora(self, name: str) -> Awaitable[object]:
+        """Resolves once the driver has unloaded the adapter (`EngineDriver.unload_lora`); raises what refused it."""
 
     @property
     def is_running(self) -> bool: ...
@@ -260,10 +409,11 @@ class Backend(Protocol):
 
 
 class EngineThread:
-    """The driver in a thread of this process, over the replicas of an `LLM` built here."""
+    """The driver in a thread of this process, over the replicas of an `LLM` built here (and that LLM's LoRA
+    adapters: `adapters`)."""
 
-    def __init__(self, replicas: ReplicaSet) -> None:
-        self.driver = EngineDriver(replicas, self._emit)
+    def __init__(self, replicas: ReplicaSet, adapters: Adapters | None = None) -> None:
+        self.driver = EngineDriver(replicas, self._emit, adapters)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[Event], None] | None = None
         self._thread: threading.Thread | None = None
@@ -277,13 +427,28 @@ class EngineThread:
         self._thread.start()
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str, *, stream: bool, stream_interval: int
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool,
+        stream_interval: int,
+        lora_name: str | None = None,
     ) -> Awaitable[object]:
-        future = self.driver.submit(prompt, params, request_id, stream=stream, stream_interval=stream_interval)
+        future = self.driver.submit(
+            prompt, params, request_id, stream=stream, stream_interval=stream_interval, lora_name=lora_name
+        )
         return asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         self.driver.abort(request_id)
+
+    def load_lora(self, name: str, path: str) -> Awaitable[object]:
+        return asyncio.wrap_future(self.driver.load_lora(name, path))
+
+    def unload_lora(self, name: str) -> Awaitable[object]:
+        return asyncio.wrap_future(self.driver.unload_lora(name))
 
     @property
     def is_running(self) -> bool:
@@ -367,15 +532,14 @@ class AsyncEngine:
         *,
         stream: bool,
         stream_interval: int = 1,
+        lora_name: str | None = None,
     ) -> RequestGroup:
         """Queues one engine request per prompt and waits until the engine took them in; a prompt the
         engine refuses raises its ValueError / TypeError (prefixed with "prompt i: " among several) and
         withdraws the others. stream: changed outputs are delivered (the first token, then every
-        stream_interval tokens, and the final one), else only the final ones."""
-        if not self.accepting:
-            raise Unavailable("the server is shutting down")
-        if not self.is_running:
-            raise Unavailable("the engine is not running")
+        stream_interval tokens, and the final one), else only the final ones. lora_name: the LoRA adapter
+        the requests are served with (None: the base model)."""
+        self._check_serving()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(ids, self._release)
         self._num_groups += 1
@@ -385,7 +549,9 @@ class AsyncEngine:
             self._groups[request] = group
             self._arrivals[request] = now
             accepted.append(
-                self.backend.submit(prompt, params, request, stream=stream, stream_interval=stream_interval)
+                self.backend.submit(
+                    prompt, params, request, stream=stream, stream_interval=stream_interval, lora_name=lora_name
+                )
             )
         try:
             for index, done in enumerate(accepted):
@@ -399,6 +565,23 @@ class AsyncEngine:
             group.close()
             raise
         return group
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT adapter at `path` to serve under `name`, between two engine steps; raises what refused
+        it (a ValueError for an adapter the model cannot take)."""
+        self._check_serving()
+        await self.backend.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unloads an adapter once the requests in flight have finished (new ones wait for it)."""
+        self._check_serving()
+        await self.backend.unload_lora(name)
+
+    def _check_serving(self) -> None:
+        if not self.accepting:
+            raise Unavailable("the server is shutting down")
+        if not self.is_running:
+            raise Unavailable("the engine is not running")
 
     def _release(self, group: RequestGroup, unfinished: list[str]) -> None:
         for request_id in group.request_ids:

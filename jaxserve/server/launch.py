@@ -72,7 +72,7 @@ def make_server(
     if isinstance(engine, EngineProcess):
         model, backend = engine.model, engine
     else:
-        model, backend = ServedModel.of(engine), EngineThread(engine.replicas)
+        model, backend = ServedModel.of(engine), EngineThread(engine.replicas, engine)
     app = build_app(model, AsyncEngine(backend, ServerMetrics(config.served_model_name)), config)
     uvicorn_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on"

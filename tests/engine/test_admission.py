@@ -180,7 +180,7 @@ def test_time_decode_steps_measures_every_decode_size_and_leaves_the_engine_serv
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.runner
     costs, runner.kv_cache = runner.table.time_decode_steps(
-        runner.weights.arrays, runner.kv_cache, runner.state, repeats=2
+        runner.weights.step_weights, runner.kv_cache, runner.state, repeats=2
     )
     assert sorted(costs) == [2, 4] and all(cost >= 0 for cost in costs.values())
     assert llm.engine.scheduler.decode_costs is None  # measured at start on a GPU only

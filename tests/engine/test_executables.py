@@ -167,7 +167,7 @@ def test_running_every_step_once_leaves_the_pool_and_the_tokens_alone(tiny_model
     runner = llm.engine.runner
     pool = jax.tree.map(lambda x: np.asarray(x)[:, 1:].copy(), runner.kv_cache)  # all but the reserved block
     assert any(np.abs(x).sum() > 0 for x in jax.tree.leaves(pool)), "the prompts should have filled blocks"
-    seconds, runner.kv_cache = runner.table.run_each_once(runner.weights.arrays, runner.kv_cache, runner.state)
+    seconds, runner.kv_cache = runner.table.run_each_once(runner.weights.step_weights, runner.kv_cache, runner.state)
     assert seconds > 0
     after_pool = jax.tree.map(lambda x: np.asarray(x)[:, 1:], runner.kv_cache)
     jax.tree.map(np.testing.assert_array_equal, after_pool, pool)

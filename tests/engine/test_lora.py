@@ -159,7 +159,7 @@ def test_one_adapter_for_every_prompt_and_stream(saved, llm):
     assert last.outputs[0].token_ids == expected["all"][3]
 
 
-def test_update_lora_changes_tokens_and_compiles_nothing(saved, llm, record_compiles):
+def test_load_update_and_unload_compile_nothing(saved, llm, record_compiles):
     root, expected = saved
     request = LoRARequest("qv", 1)
     llm.load_lora("qv", str(root / "qv")) if "qv" not in llm.list_loras() else None
@@ -169,8 +169,12 @@ def test_update_lora_changes_tokens_and_compiles_nothing(saved, llm, record_comp
     with record_compiles() as compiled:
         llm.update_lora("qv", str(root / "qv2"))
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request)]
+        llm.load_lora("koud-again", str(root / "koud"))  # another rank, loaded, served and unloaded
+        again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("koud-again", 50))
+        llm.unload_lora("koud-again")
     assert got == expected["qv2"]
-    assert not compiled, f"update_lora or the generate after it compiled: {compiled}"
+    assert again[0].outputs[0].token_ids == expected["koud"][0]
+    assert not compiled, f"loading, updating or unloading an adapter, or a generate after, compiled: {compiled}"
     llm.update_lora("qv", str(root / "qv"))  # back, for the other tests
 
 
@@ -278,3 +282,21 @@ def test_lora_request_checks_its_fields():
         LoRARequest("a", 0)
     with pytest.raises(ValueError, match="lora_name"):
         LoRARequest("", 1)
+
+
+def test_the_bench_spreads_requests_over_random_adapters_and_times_an_update(llm):
+    from jaxserve import bench, workload
+
+    adapters = bench.random_adapters(llm, 2, seed=3)
+    try:
+        assert [a.lora_name for a in adapters] == ["random-0", "random-1"]
+        job = workload.random_workload(4, 6, 3, VOCAB, seed=0)
+        run = bench.timed_generate(llm, job, workload.SamplingOptions(0.0, 1.0, None, None), adapters=adapters)
+        assert run.output_tokens == 12
+        closed = bench.timed_generate(llm, job, workload.SamplingOptions(0.0, 1.0, None, None), 2, adapters)
+        assert [o.outputs[0].token_ids for o in closed.outputs] == [o.outputs[0].token_ids for o in run.outputs]
+        summary = bench.lora_summary(llm, adapters, seed=0)
+        assert (summary.adapters, summary.rank) == (2, 8) and summary.update_ms > 0
+    finally:
+        for adapter in adapters:
+            llm.unload_lora(adapter.lora_name)

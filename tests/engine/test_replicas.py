@@ -42,7 +42,7 @@ class FakeEngine:
     refuse: bool = False
     names: int = 0
 
-    def add_request(self, prompt, params, request_id=None, *, stream=False, stream_interval=1) -> str:
+    def add_request(self, prompt, params, request_id=None, *, stream=False, stream_interval=1, lora_name=None) -> str:
         if self.refuse:
             raise ValueError("refused")
         if request_id is None:
@@ -51,7 +51,7 @@ class FakeEngine:
         self.pending.append(request_id)
         return request_id
 
-    def submit(self, prompt, params, request_id=None, *, stream=True, stream_interval=1) -> Future:
+    def submit(self, prompt, params, request_id=None, *, stream=True, stream_interval=1, lora_name=None) -> Future:
         future: Future = Future()
         try:
             future.set_result(self.add_request(prompt, params, request_id))
