@@ -370,8 +370,8 @@ def random_adapter_tensors(llm: LLM, rank: int, seed: int) -> dict[str, np.ndarr
     return tensors
 
 
-def random_adapters(llm: LLM, count: int, seed: int) -> list[LoRARequest]:
-    """`count` random adapters of the engine's max_lora_rank, loaded into `llm`; their requests."""
+def random_adapters(llm: LLM, count: int, seed: int, first_id: int = 1) -> list[LoRARequest]:
+    """`count` random adapters of the engine's max_lora_rank, loaded into `llm`; their requests (ids first_id on)."""
     from jaxserve.lora import LoRARequest
 
     rank = llm.config.lora.max_lora_rank
@@ -379,7 +379,7 @@ def random_adapters(llm: LLM, count: int, seed: int) -> list[LoRARequest]:
     requests = []
     for i in range(count):
         llm.load_lora(f"random-{i}", random_adapter_tensors(llm, rank, seed + i), config)
-        requests.append(LoRARequest(f"random-{i}", i + 1))
+        requests.append(LoRARequest(f"random-{i}", first_id + i))
     return requests
 
 

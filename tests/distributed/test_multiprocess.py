@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent(
     shaped = jax.eval_shape(lambda key: family.init_weights(cfg, key, jnp.float32), jax.random.key(0))
     weights = jax.tree.map(lambda w: (rng.standard_normal(w.shape) * 0.2).astype(w.dtype), shaped)
     model = LoadedModel(family, cfg, weights, hf_config, None, "random weights")
-    compile_config = CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False)
+    compile_config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False)
     # Process 1 holds a smaller pool (20 blocks and the reserved one, against 33): both serve that one.
     kv_config = KvCacheConfig(max_tokens=320) if process_id == 1 else None
     llm = LLM(

@@ -287,7 +287,7 @@ def test_lora_request_checks_its_fields():
 def test_the_bench_spreads_requests_over_random_adapters_and_times_an_update(llm):
     from jaxserve import bench, workload
 
-    adapters = bench.random_adapters(llm, 2, seed=3)
+    adapters = bench.random_adapters(llm, 2, seed=3, first_id=100)  # ids 1, 2 name this module's adapters
     try:
         assert [a.lora_name for a in adapters] == ["random-0", "random-1"]
         job = workload.random_workload(4, 6, 3, VOCAB, seed=0)
