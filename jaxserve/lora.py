@@ -74,10 +74,6 @@ class LoraAdapter:
     version: int = 0
 
     @property
-    def modules(self) -> tuple[str, ...]:
-        return tuple(m for m in MODULES if any(module == m for _, module in self.weights))
-
-    @property
     def cache_root(self) -> bytes:
         """The root of this adapter's prefix-cache hashes: a block computed under it is never reused for the base
         model, another adapter, or another version of it."""
