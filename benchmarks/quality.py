@@ -84,11 +84,25 @@ def measure(llm: Any, config: str, data: dict[str, Any] | None = None) -> Qualit
         sum(out.prompt_logprobs[p][token].logprob for p, token in enumerate(prompt) if p >= start)
         for prompt, start, out in zip(prompts, starts, outputs, strict=True)
     ]
-    perplexity = math.exp(-sums[0] / (len(text) - 1))
     choice_logprobs = np.asarray(sums[1:]).reshape(len(data["questions"]), -1)
     answers = np.asarray([answer for *_, answer in data["questions"]])
     accuracy = float((choice_logprobs.argmax(axis=1) == answers).mean())
-    return Quality(config, perplexity, accuracy, choice_logprobs)
+    return Quality(config, _perplexity(sums[0], text), accuracy, choice_logprobs)
+
+
+def perplexity(llm: Any, data: dict[str, Any] | None = None) -> float:
+    """Perplexity of the held text alone (`measure`'s first figure, without the questions' prompts)."""
+    from jaxserve import SamplingParams
+
+    text = llm.tokenizer.encode((load_data() if data is None else data)["text"])
+    (out,) = llm.generate(
+        [text], SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=1), use_tqdm=False
+    )
+    return _perplexity(sum(out.prompt_logprobs[p][token].logprob for p, token in enumerate(text) if p >= 1), text)
+
+
+def _perplexity(logprob_sum: float, text: list[int]) -> float:
+    return math.exp(-logprob_sum / (len(text) - 1))
 
 
 def main() -> int:

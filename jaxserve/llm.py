@@ -38,7 +38,7 @@ from jaxserve.config import (
     make_engine_config,
 )
 from jaxserve.engine import Engine, StepStats, model_dtype
-from jaxserve.lora import LoraAdapter, LoRARequest, read_adapter
+from jaxserve.lora import LoraAdapter, LoRARequest, flat_names, read_adapter, split_qwix
 from jaxserve.models.hub import DEFAULT_MODEL
 from jaxserve.models.loader import LoadedModel, load_from_pytree, load_model
 from jaxserve.prompts import Prompt, normalize_prompt, normalize_prompts
@@ -193,12 +193,25 @@ class LLM:
         _freeze_long_lived_objects()
 
     @classmethod
-    def from_params(cls, params: Any, config: Any, tokenizer: Any, **engine_kwargs: Any) -> LLM:
+    def from_params(
+        cls,
+        params: Any,
+        config: Any,
+        tokenizer: Any,
+        *,
+        lora_alpha: float | None = None,
+        lora_name: str = "default",
+        **engine_kwargs: Any,
+    ) -> LLM:
         """An LLM over parameters already in memory, without conversion.
 
         params: the family's weights dataclass; a nested dict keyed by our field names or by Hugging
             Face names (a Flax Linen params tree, "kernel" matrices [in, out] included); or a Flax NNX
             `State` (its `to_pure_dict()`), as `jaxserve.models.loader.load_from_pytree` takes them.
+            A tunix model trained with qwix LoRA keeps its `*_lora_a` / `*_lora_b` parameters beside the
+            base ones: they are split off and served as the adapter `lora_name` (`LoRARequest(lora_name, id)`
+            picks it; a request without one gets the base model), which needs `lora_alpha` (the qwix
+            LoraProvider's alpha) and turns `enable_lora` on with `max_lora_rank` at least the tree's rank.
         config: the model's Hugging Face config, a config.json dict or a `PretrainedConfig`.
         tokenizer: a `Tokenizer` or a path it loads from. engine_kwargs: the `LLM` keywords; dtype "auto"
             serves the parameters in their own floating-point dtype.
@@ -210,13 +223,22 @@ class LLM:
             raise TypeError(f"config must be a Hugging Face config dict or object, got {type(config).__name__}")
         hf_config = dict(hf_config)
         family, cfg = registry.resolve(hf_config)
-        tree = _pure_params(params)
+        tree, lora = _split_lora_params(_pure_params(params), lora_alpha)
+        if lora:
+            rank = max(int(np.shape(value)[-1]) for key, value in lora.items() if key.endswith("_lora_a"))
+            engine_kwargs = {"enable_lora": True, "max_lora_rank": rank, **engine_kwargs}
+            if engine_kwargs["max_lora_rank"] < rank:
+                limit = engine_kwargs["max_lora_rank"]
+                raise ValueError(f"the parameters' LoRA rank {rank} is above max_lora_rank={limit}")
         dtype = np.dtype(model_dtype(engine_kwargs.get("dtype", "auto"), tree)).name
         # Not cast here: the runner casts them to `dtype` layer by layer as it places them, so no cast copy
         # of the whole tree is made.
         weights = load_from_pytree(family, cfg, tree, dtype, cast=False)
         loaded = LoadedModel(family, cfg, weights, hf_config, None, "parameters in memory")
-        return cls(loaded, tokenizer=tokenizer, **{**engine_kwargs, "dtype": dtype})
+        llm = cls(loaded, tokenizer=tokenizer, **{**engine_kwargs, "dtype": dtype})
+        if lora:
+            llm.load_lora(lora_name, lora, {"lora_alpha": lora_alpha})
+        return llm
 
     @property
     def engines(self) -> list[Engine]:
@@ -672,6 +694,22 @@ def _pure_params(params: Any) -> Any:
 
     to_pure_dict = getattr(nnx, "to_pure_dict", None)  # flax < 0.11 has the State method only
     return to_pure_dict(params) if to_pure_dict is not None else params.to_pure_dict()
+
+
+def _split_lora_params(tree: Any, lora_alpha: float | None) -> tuple[Any, dict[str, Any]]:
+    """(the base parameters, the qwix LoRA parameters as dotted names) of `from_params`' tree."""
+    if isinstance(tree, Mapping):
+        base, lora = split_qwix(flat_names(tree["params"] if set(tree) == {"params"} else tree))
+        if lora:
+            if lora_alpha is None:
+                raise ValueError(
+                    f"the parameters hold qwix LoRA parameters ({next(iter(lora))}, ...): pass lora_alpha (the "
+                    "qwix LoraProvider's alpha) to serve them as an adapter, or merge them into the weights"
+                )
+            return base, lora
+    if lora_alpha is not None:
+        raise ValueError("lora_alpha was given, but the parameters hold no qwix LoRA parameters (*_lora_a / *_lora_b)")
+    return tree, {}
 
 
 def _checkpoint_quantization(quantization: str | None, hf_config: dict) -> str | None:

@@ -98,6 +98,12 @@ def read_adapter(name: str, source: Any, config: Any = None) -> LoraAdapter:
     return from_peft(name, flat, config)
 
 
+def split_qwix(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the base parameters, the qwix LoRA parameters `*_lora_a` / `*_lora_b`) of a flat parameter dict."""
+    lora = {key: value for key, value in flat.items() if key.endswith(("_lora_a", "_lora_b"))}
+    return {key: value for key, value in flat.items() if key not in lora}, lora
+
+
 def flat_names(tree: Mapping[str, Any]) -> dict[str, Any]:
     """A nested dict (a Flax NNX pure dict: layer indices as int keys) as {dotted name: leaf}; a flat one as is."""
     flat: dict[str, Any] = {}

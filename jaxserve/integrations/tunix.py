@@ -51,7 +51,7 @@ from tunix.models.llama3 import model as llama3
 from tunix.rl.rollout import base_rollout
 
 from jaxserve.llm import LLM
-from jaxserve.lora import LoRARequest
+from jaxserve.lora import LoRARequest, split_qwix
 from jaxserve.models.tunix_params import to_jaxserve_params
 from jaxserve.sampling import SamplingParams
 
@@ -189,12 +189,6 @@ def tunix_hf_config(model: nnx.Module, max_position_embeddings: int) -> dict[str
     raise TypeError(f"cannot derive a Hugging Face config for a {type(model).__name__}: pass hf_config")
 
 
-def _split_lora(flat: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-    """(base parameters, qwix LoRA parameters) of a flat tunix parameter dict."""
-    lora = {k: v for k, v in flat.items() if k.endswith(("_lora_a", "_lora_b"))}
-    return {k: v for k, v in flat.items() if k not in lora}, lora
-
-
 class _EngineTokenizer:
     """tunix's tokenizer (its TokenizerAdapter, or anything with encode / decode / bos_id / eos_id /
     pad_id) as the engine reads one; prompts are encoded as tunix's samplers do."""
@@ -251,7 +245,7 @@ class JaxserveRollout(base_rollout.BaseRollout):
         if hf_config is None:
             hf_config = tunix_hf_config(rollout_actor, max_seq_len)
         self._tokenizer = tokenizer
-        self._params, self._lora = _split_lora(flat_params(nnx.state(rollout_actor, nnx.Param)))
+        self._params, self._lora = split_qwix(flat_params(nnx.state(rollout_actor, nnx.Param)))
         options = {"logprobs_mode": "processed_logprobs", "max_seq_len": max_seq_len, "show_progress": False}
         self._lora_config = None
         if self._lora:
@@ -330,7 +324,7 @@ class JaxserveRollout(base_rollout.BaseRollout):
         """Serves new parameter values: `params` (an NNX State, all or some of the actor's parameters) merged into
         the last full set; base parameters through `LLM.update_weights`, LoRA parameters (an actor trained with
         LoRA: tunix syncs those only) through `LLM.update_lora` (checked, cast, nothing recompiled)."""
-        base, lora = _split_lora(flat_params(params))
+        base, lora = split_qwix(flat_params(params))
         if lora and not self._lora:
             raise ValueError(
                 f"LoRA parameter {next(iter(lora))}: this rollout serves an actor without LoRA parameters; build it "

@@ -87,7 +87,10 @@ def to_jaxserve_params(flat: Mapping[str, Any]) -> dict[str, Any]:
     skipped = 0
     for name, value in flat.items():
         if "lora" in name:
-            raise ValueError(f"LoRA parameter {name}: merge the adapters into the weights before serving them")
+            raise ValueError(
+                f"LoRA parameter {name}: serve it as an adapter (LLM.from_params(..., lora_alpha=...), "
+                "LLM.load_lora / update_lora) or merge the adapters into the weights"
+            )
         match = _LAYER_NAME.fullmatch(name)
         rest = match.group(2) if match is not None else None
         if name in _TOP_FIELDS:

@@ -6,6 +6,7 @@ nothing, the prefix cache keyed by adapter, and the errors a user meets."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -207,6 +208,107 @@ def _tensors_and_config(directory) -> tuple[dict, dict]:
     return load_file(str(directory / "adapter_model.safetensors")), json.loads(
         (directory / "adapter_config.json").read_text()
     )
+
+
+_TUNIX_ATTENTION = {"q_proj": "w", "k_proj": "w", "v_proj": "w", "o_proj": "w"}
+
+
+def _tunix_tree(base_dir) -> dict:
+    """The base model's weights as a tunix Llama3's parameters (nested as an NNX pure dict, layer indices as int
+    keys): our layouts under tunix's names."""
+    from safetensors.numpy import load_file
+
+    hf = load_file(str(base_dir / "model.safetensors"))
+    d, h, k = HF_CONFIG["hidden_size"], HF_CONFIG["num_attention_heads"], HF_CONFIG["num_key_value_heads"]
+    dh = d // h
+    layers = {}
+    for i in range(HF_CONFIG["num_hidden_layers"]):
+        w = {name.removeprefix(f"model.layers.{i}."): v for name, v in hf.items() if f"layers.{i}." in name}
+        layers[i] = {
+            "input_layernorm": {"w": w["input_layernorm.weight"]},
+            "post_attention_layernorm": {"w": w["post_attention_layernorm.weight"]},
+            "attn": {
+                "q_proj": {"w": w["self_attn.q_proj.weight"].T.reshape(d, h, dh)},
+                "k_proj": {"w": w["self_attn.k_proj.weight"].T.reshape(d, k, dh)},
+                "v_proj": {"w": w["self_attn.v_proj.weight"].T.reshape(d, k, dh)},
+                "o_proj": {"w": w["self_attn.o_proj.weight"].T.reshape(h, dh, d)},
+            },
+            "mlp": {m: {"kernel": w[f"mlp.{m}.weight"].T} for m in ("gate_proj", "up_proj", "down_proj")},
+        }
+    return {
+        "embedder": {"input_embedding": hf["model.embed_tokens.weight"]},
+        "final_norm": {"w": hf["model.norm.weight"]},
+        "lm_head": {"w": hf["lm_head.weight"].T},
+        "layers": layers,
+    }
+
+
+def _qwix_lora(adapter_dir) -> tuple[dict, float]:
+    """A PEFT adapter as qwix's LoRA parameters of a tunix Llama3 (`w_lora_a` [*in, r], `w_lora_b` [r, *out];
+    `kernel_lora_*` on the MLP), nested as `_tunix_tree`, and the qwix alpha (scaling alpha / r) that matches it."""
+    tensors, config = _tensors_and_config(adapter_dir)
+    r = config["r"]
+    scaling = config["lora_alpha"] / (r**0.5 if config.get("use_rslora") else r)
+    d, h, k = HF_CONFIG["hidden_size"], HF_CONFIG["num_attention_heads"], HF_CONFIG["num_key_value_heads"]
+    dh = d // h
+    in_shape = {"q_proj": (d,), "k_proj": (d,), "v_proj": (d,), "o_proj": (h, dh)}
+    out_shape = {"q_proj": (h, dh), "k_proj": (k, dh), "v_proj": (k, dh), "o_proj": (d,)}
+    layers: dict = {}
+    for name, value in tensors.items():
+        match = re.search(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight", name)
+        layer, block, module, half = int(match.group(1)), match.group(2), match.group(3), match.group(4)
+        if half == "A":  # [r, in] -> [*in, r]
+            leaf = value.T.reshape(*in_shape.get(module, (-1,)), r)
+        else:  # [out, r] -> [r, *out]
+            leaf = value.T.reshape(r, *out_shape.get(module, (-1,)))
+        kernel = _TUNIX_ATTENTION.get(module, "kernel")
+        node = layers.setdefault(layer, {}).setdefault("attn" if block == "self_attn" else "mlp", {})
+        node.setdefault(module, {})[f"{kernel}_lora_{half.lower()}"] = leaf
+    return {"layers": layers}, scaling * r
+
+
+def _merged(tree: dict, extra: dict) -> dict:
+    out = dict(tree)
+    for key, value in extra.items():
+        out[key] = _merged(tree[key], value) if isinstance(value, dict) and key in tree else value
+    return out
+
+
+def test_tunix_tree_with_qwix_lora_through_from_params_gives_peft_tokens(saved, char_tokenizer):
+    """A tunix Llama3 trained with qwix LoRA, given to `from_params` as it is: its LoRA parameters are served as an
+    adapter beside the base model, and two more qwix trees load beside it; mixed with base rows, each gives peft's
+    tokens."""
+    root, expected = saved
+    lora_all, alpha_all = _qwix_lora(root / "all")
+    config = json.loads((root / "base" / "config.json").read_text())
+    with pytest.raises(ValueError, match="pass lora_alpha"):
+        LLM.from_params(_merged(_tunix_tree(root / "base"), lora_all), config, char_tokenizer())
+    llm = LLM.from_params(
+        _merged(_tunix_tree(root / "base"), lora_all),
+        config,
+        char_tokenizer(),
+        lora_alpha=alpha_all,
+        lora_name="all",
+        dtype="float32",
+        max_batch_size=4,
+        max_num_tokens=32,
+        max_seq_len=128,
+        kv_cache_config=KvCacheConfig(max_tokens=512),
+        compile_config=CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
+        attention_backend="xla",
+        max_loras=2,
+        show_progress=False,
+    )
+    with llm:
+        assert llm.list_loras() == ["all"] and llm.config.lora.max_lora_rank == ADAPTERS["all"]["r"]
+        for name in ("qv", "koud"):
+            tree, alpha = _qwix_lora(root / name)
+            llm.load_lora(name, tree, {"lora_alpha": alpha})
+        names = [None, "qv", "all", "koud", "all", None]
+        ids = {"all": 1, "qv": 2, "koud": 3}
+        requests = [None if n is None else LoRARequest(n, ids[n]) for n in names]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests)
+        assert [o.outputs[0].token_ids for o in outputs] == [expected[n][i] for i, n in enumerate(names)]
 
 
 def test_errors_name_the_problem_and_change_nothing(saved, llm, tmp_path):

@@ -68,7 +68,7 @@ def test_a_wrong_scale_breaks_the_bounds(base_quality, fp8_llm):
     original = weights.arrays
     weights.arrays = _permuted_scales(original)
     try:
-        broken = quality.measure(fp8_llm, "fp8, scales permuted")
+        broken = quality.perplexity(fp8_llm)  # the held text only: the questions' prompts cost most of the time
     finally:
         weights.arrays = original
-    assert broken.perplexity > PERPLEXITY_RATIO * base_quality.perplexity
+    assert broken > PERPLEXITY_RATIO * base_quality.perplexity

@@ -177,7 +177,7 @@ def _layer(tree: dict, i: int = 0) -> dict:
         ),
         (
             lambda t: _layer(t)["attn"]["q_einsum"].update(w_lora_a=0),
-            r"LoRA parameter layers\.0\.attn\.q_einsum\.w_lora_a: merge the adapters",
+            r"LoRA parameter layers\.0\.attn\.q_einsum\.w_lora_a: .* merge the adapters",
         ),
         (
             lambda t: t["layers"].update({2: t["layers"].pop(1)}),
