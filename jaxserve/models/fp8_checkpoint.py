@@ -11,8 +11,12 @@ Formats read:
   weights (llm-compressor's FP8 releases, e.g. the FP8 Llama models): `X.weight` in float8_e4m3fn [out, in] and
   `X.weight_scale` [out, 1] (strategy "channel") or [1] / [] (strategy "tensor"); `X.input_scale` (a static
   activation scale) is dropped, with one log line: activations are quantized per token at run time.
-Calibrated KV-cache scales (`self_attn.k_scale`, `v_scale`, `kv_scale`: a `kv_cache_scheme`) are dropped too, with
-one log line: an FP8 KV cache (`kv_cache_dtype="fp8"`) stores K and V with a scale of 1.
+Calibrated KV-cache scales (`self_attn.k_scale`, `v_scale`, or one `kv_scale` for both: a `kv_cache_scheme`, one
+value a layer) are folded into the attention weights at load (`folded_kv_scales`): k_proj is divided by k_scale and
+q_proj multiplied by it (or, with Qwen3's and Gemma 3's q/k norms, which would undo a scale on the projection, the
+norm weights), v_proj divided by v_scale and o_proj multiplied by it. The model computes the same function, and the
+K and V it writes are K / k_scale and V / v_scale: what an FP8 KV cache (`kv_cache_dtype="fp8"`) stores is e4m3 of
+those, as the calibration intends, with no scale left to apply at run time (on any attention backend).
 Any other `quant_method`, format or weight type is an error that names it. Tensors without a scale (norms,
 embeddings, the layers a config leaves unquantized) are read as they are.
 """
@@ -20,6 +24,8 @@ embeddings, the layers a config leaves unquantized) are read as they are.
 from __future__ import annotations
 
 import logging
+import re
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,7 +34,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _SCALE_SUFFIXES = {"fp8": ".weight_scale_inv", "compressed-tensors": ".weight_scale"}
-_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+# One layer's attention tensors, and its KV-cache scales: (prefix, tensor) of a Hugging Face name.
+_ATTENTION_TENSOR = re.compile(r"(.*\.layers\.\d+\.self_attn\.)((?:[qkvo]_proj\.(?:weight|bias))|[qk]_norm\.weight)")
+_KV_SCALE = re.compile(r"(.*\.layers\.\d+\.self_attn\.)(k_scale|v_scale|kv_scale)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +120,10 @@ def dequantized_tensors(
     scale, or a scale without its weight, is a ValueError that names it."""
     waiting_values: dict[str, np.ndarray] = {}
     waiting_scales: dict[str, np.ndarray] = {}
-    dropped, kv_scales = 0, 0
+    dropped = 0
     for name, array in tensors:
         if name.endswith(".input_scale"):
             dropped += 1
-            continue
-        if name.endswith(_KV_SCALE_SUFFIXES):
-            kv_scales += 1
             continue
         if name.endswith(fmt.scale_suffix):
             base = name.removesuffix(fmt.scale_suffix) + ".weight"
@@ -139,11 +144,6 @@ def dequantized_tensors(
     if waiting_scales:
         name = next(iter(waiting_scales))
         raise ValueError(f"scale {name.removesuffix('.weight')}{fmt.scale_suffix} has no FP8 weight {name!r}")
-    if kv_scales:
-        logger.info(
-            "FP8 checkpoint: %d KV-cache scales (k_scale / v_scale) dropped: an FP8 KV cache uses a scale of 1",
-            kv_scales,
-        )
     if dropped:
         logger.info(
             "FP8 checkpoint: %d static activation scales (input_scale) dropped: activations are quantized "
@@ -157,3 +157,63 @@ def _dequantized(name: str, values: np.ndarray, scale: np.ndarray, fmt: Fp8Check
         return dequantize(values, scale, fmt.block)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from e
+
+
+def folded_kv_scales(
+    tensors: Iterator[tuple[str, np.ndarray]], *, qk_norm: bool, norm_offset: float = 0.0
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors with each layer's KV-cache scales folded into its attention weights (module
+    docstring), the scale tensors themselves consumed. qk_norm: the layers normalise q and k per head (the k
+    scale goes into the norm weights); norm_offset: 1 where the norm multiplies by (1 + w) (Gemma). A layer's
+    attention tensors wait for its scales; a layer without scales keeps its weights (a scale of 1)."""
+    waiting: dict[str, list[tuple[str, np.ndarray]]] = defaultdict(list)
+    scales: dict[str, dict[str, float]] = defaultdict(dict)
+    folded = 0
+
+    def fold(prefix: str, tensor: str, array: np.ndarray) -> np.ndarray:
+        k, v = scales[prefix]["k"], scales[prefix]["v"]
+        factor = {
+            "q_proj": 1.0 if qk_norm else k,
+            "k_proj": 1.0 if qk_norm else 1.0 / k,
+            "v_proj": 1.0 / v,
+            "o_proj": v if tensor.endswith("weight") else 1.0,  # o_proj's bias is added after the product
+            "q_norm": k,
+            "k_norm": 1.0 / k,
+        }[tensor.split(".")[0]]
+        if factor == 1.0:
+            return array
+        if tensor.endswith("norm.weight"):  # (offset + w) * factor = offset + w'
+            return ((norm_offset + array.astype(np.float32)) * factor - norm_offset).astype(array.dtype)
+        return (array.astype(np.float32) * np.float32(factor)).astype(array.dtype)
+
+    for name, array in tensors:
+        scale = _KV_SCALE.fullmatch(name)
+        if scale is not None:
+            prefix, which = scale.groups()
+            if np.size(array) != 1:
+                raise ValueError(f"KV-cache scale {name} has shape {list(np.shape(array))}: one value a layer is read")
+            for key in ("k", "v") if which == "kv_scale" else (which[0],):
+                scales[prefix][key] = float(np.asarray(array, np.float32).reshape(()))
+            if len(scales[prefix]) == 2:
+                folded += 1
+                for waiting_name, waiting_array in waiting.pop(prefix, []):
+                    yield waiting_name, fold(prefix, waiting_name[len(prefix) :], waiting_array)
+            continue
+        attention = _ATTENTION_TENSOR.fullmatch(name)
+        if attention is None:
+            yield name, array
+        elif len(scales.get(attention.group(1), {})) == 2:
+            yield name, fold(attention.group(1), attention.group(2), array)
+        else:
+            waiting[attention.group(1)].append((name, array))
+    for prefix, pair in scales.items():
+        if len(pair) != 2:
+            raise ValueError(f"{prefix}{'k' if 'v' in pair else 'v'}_scale is missing beside its pair")
+    for held in waiting.values():  # layers without scales: as they are
+        yield from held
+    if folded:
+        logger.info(
+            "FP8 checkpoint: the KV-cache scales of %d layers folded into their attention weights (an FP8 KV "
+            "cache stores K / k_scale and V / v_scale)",
+            folded,
+        )

@@ -54,6 +54,8 @@ ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",
 }
 _VERSIONS = {"gemma": 1, "gemma2": 2, "gemma3_text": 3, "gemma3": 3}
+# Every norm multiplies by (1 + w): what folding a factor into a norm weight must keep (fp8_checkpoint.py).
+RMS_NORM_OFFSET = 1.0
 # transformers' defaults for keys a config.json may omit, per version.
 _DEFAULTS: dict[int, dict[str, Any]] = {
     1: {"max_position_embeddings": 8192, "head_dim": 256, "rope_theta": 10000.0},

@@ -7,8 +7,7 @@ compiles in a few seconds; test modules build theirs once, in module-scoped fixt
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -197,32 +196,6 @@ def _assert_engine_idle(llm: LLM) -> None:
     assert all(manager.ref_count(b) == 0 for b in range(manager.num_blocks)), "ref counts did not return to zero"
 
 
-# Duration events jax records around tracing, lowering and compiling (persistent-cache hits included).
-COMPILE_EVENTS = frozenset(
-    {
-        "/jax/core/compile/jaxpr_trace_duration",
-        "/jax/core/compile/jaxpr_to_mlir_module_duration",
-        "/jax/core/compile/backend_compile_duration",
-    }
-)
-
-
-@contextlib.contextmanager
-def _record_compiles() -> Iterator[list[str]]:
-    """Collects the names of the functions jax traces or compiles inside the block."""
-    compiled: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event in COMPILE_EVENTS:
-            compiled.append(f"{event}: {kwargs.get('fun_name', '?')}")
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield compiled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.fixture(scope="session")
 def tiny_model() -> Callable[..., LoadedModel]:
     return _tiny_model
@@ -246,11 +219,6 @@ def dense_logits() -> Callable[..., np.ndarray]:
 @pytest.fixture(scope="session")
 def assert_engine_idle() -> Callable[[LLM], None]:
     return _assert_engine_idle
-
-
-@pytest.fixture(scope="session")
-def record_compiles() -> Callable[[], contextlib.AbstractContextManager[list[str]]]:
-    return _record_compiles
 
 
 @pytest.fixture

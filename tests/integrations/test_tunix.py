@@ -254,7 +254,7 @@ def test_rollout_generate_logps_and_update_params_against_tunix(mesh):
         rollout.update_params({"layers": {0: {"attn": {"q_proj": {"w_lora_a": jnp.zeros((64, 4))}}}}})
 
 
-def test_lora_rollout_logps_equal_tunix_forward_and_updates_send_the_adapter_only(mesh, record_compiles_tunix):
+def test_lora_rollout_logps_equal_tunix_forward_and_updates_send_the_adapter_only(mesh, record_compiles):
     """An actor trained with LoRA: served as the base model plus one adapter; its logprobs are tunix's forward with
     the adapter applied; a LoRA-only sync (what tunix sends) replaces the adapter, not the weights, compiling
     nothing."""
@@ -273,35 +273,12 @@ def test_lora_rollout_logps_equal_tunix_forward_and_updates_send_the_adapter_onl
     assert not np.allclose(out.logprobs[0], without[0, : len(out.tokens[0])], atol=1e-2), "the adapter is applied"
 
     randomize_lora(model, seed=7)  # a training step's new adapter, synced as tunix syncs it
-    with record_compiles_tunix() as compiled:
+    with record_compiles() as compiled:
         rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
         out = rollout.generate(prompts, greedy)
     assert not compiled, compiled
     assert rollout.llm.weights_version == 0, "the base weights were not sent again"
     check_logps_match_tunix(model, out, greedy)
-
-
-@pytest.fixture
-def record_compiles_tunix():
-    import contextlib
-
-    events = ("/jax/core/compile/jaxpr_to_mlir_module_duration", "/jax/core/compile/backend_compile_duration")
-
-    @contextlib.contextmanager
-    def record():
-        compiled: list[str] = []
-
-        def listener(event, duration, **kwargs):
-            if event in events:
-                compiled.append(f"{event}: {kwargs.get('fun_name', '?')}")
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
-            yield compiled
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
-
-    return record
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])

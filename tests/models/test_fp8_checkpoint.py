@@ -49,9 +49,16 @@ def _quantize_channel(w: np.ndarray, per_tensor: bool) -> tuple[np.ndarray, np.n
     return _fp8(w / scale), scale.reshape(1) if per_tensor else scale
 
 
-def write_fp8_checkpoint(directory: Path, config: dict, state: dict[str, np.ndarray], method: str) -> dict:
-    """The model's state dict as an FP8 checkpoint of `method` ("fp8", "ct_channel", "ct_tensor"); returns the
-    dequantized state dict the file holds."""
+def write_fp8_checkpoint(
+    directory: Path,
+    config: dict,
+    state: dict[str, np.ndarray],
+    method: str,
+    kv_scales: tuple[float, float] | None = None,
+) -> dict:
+    """The model's state dict as an FP8 checkpoint of `method` ("fp8", "ct_channel", "ct_tensor"), compressed-tensors
+    ones with every layer's (k_scale, v_scale) when given (a kv_cache_scheme); returns the dequantized state dict
+    the file holds (the KV scales not folded in)."""
     tensors, dequantized = {}, {}
     for name, w in state.items():
         if not _is_linear(name):
@@ -65,9 +72,9 @@ def write_fp8_checkpoint(directory: Path, config: dict, state: dict[str, np.ndar
             values, scale = _quantize_channel(w, per_tensor=method == "ct_tensor")
             tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = values, scale
             tensors[name.removesuffix("weight") + "input_scale"] = np.ones(1, np.float32)
-            if name.endswith("k_proj.weight"):  # a kv_cache_scheme's calibrated scales, beside k_proj
-                tensors[name.removesuffix("k_proj.weight") + "k_scale"] = np.full((), 0.5, np.float32)
-                tensors[name.removesuffix("k_proj.weight") + "v_scale"] = np.full((), 0.25, np.float32)
+            if kv_scales is not None and name.endswith("k_proj.weight"):  # calibrated scales, beside k_proj
+                tensors[name.removesuffix("k_proj.weight") + "k_scale"] = np.full((), kv_scales[0], np.float32)
+                tensors[name.removesuffix("k_proj.weight") + "v_scale"] = np.full((), kv_scales[1], np.float32)
             dequantized[name] = dequantize(values, scale, None)
     if method == "fp8":
         quant = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic"}
@@ -80,6 +87,8 @@ def write_fp8_checkpoint(directory: Path, config: dict, state: dict[str, np.ndar
             "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
             "ignore": ["lm_head"],
         }
+        if kv_scales is not None:
+            quant["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
@@ -109,6 +118,60 @@ def test_fp8_checkpoint_loads_its_values_times_its_scales(tmp_path, tiny, method
         model.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in dequantized.items()})
         np.testing.assert_allclose(our_logits(loaded, TOKENS), hf_logits(model, TOKENS), rtol=1e-4, atol=1e-4)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+
+
+def _logits_and_cache(loaded, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A loaded model's logits for one sequence and the K and V it wrote (a float32 dense cache)."""
+    import jax.numpy as jnp
+
+    from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
+
+    n = len(token_ids)
+    cache = init_dense_cache(loaded.config, 1, n, jnp.float32)
+    weights = loaded.family.to_serving(loaded.weights, loaded.config)
+    ids, positions = jnp.asarray(token_ids, jnp.int32), jnp.arange(n, dtype=jnp.int32)
+    meta = DenseAttentionMetadata(jnp.zeros(n, jnp.int32))
+    hidden, cache = loaded.family.forward(weights, ids, positions, cache, meta, loaded.config)
+    logits = loaded.family.compute_logits(weights, hidden, loaded.config)
+    return np.asarray(logits), np.asarray(cache.k), np.asarray(cache.v)
+
+
+# Without q/k norms (Llama), with q/k/v biases (Qwen2), with per-head q/k norms (Qwen3; Gemma 3's multiply by 1 + w)
+# and on an MoE model's attention (its config's base model has the q/k norms).
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"])
+def test_kv_cache_scales_fold_into_the_attention_weights(tmp_path, tiny_hf_config, hf_model, family, hf_logits):
+    """A kv_cache_scheme's k_scale / v_scale: the model computes what transformers computes on the dequantized
+    weights (which ignores the scales), and the K and V it writes to the cache (what an FP8 cache stores in e4m3)
+    are those of the same checkpoint without scales divided by k_scale and v_scale."""
+    import transformers
+    from safetensors.numpy import load_file
+
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if family == "qwen3_moe" else {}
+    config = tiny_hf_config(family, **extra)
+    hf_model(config).save_pretrained(tmp_path / "hf", safe_serialization=True)  # the hub's tensor names
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    k_scale, v_scale = 0.37, 2.9
+    dequantized = write_fp8_checkpoint(tmp_path / "scaled", config, state, "ct_channel", (k_scale, v_scale))
+    write_fp8_checkpoint(tmp_path / "plain", config, state, "ct_channel")
+    scaled = _logits_and_cache(load_model(tmp_path / "scaled", dtype="float32"), TOKENS)
+    plain = _logits_and_cache(load_model(tmp_path / "plain", dtype="float32"), TOKENS)
+    save_file({k: np.asarray(v, np.float32) for k, v in dequantized.items()}, tmp_path / "hf" / "model.safetensors")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    np.testing.assert_allclose(scaled[0], hf_logits(reference, TOKENS), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(scaled[1], plain[1] / k_scale, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(scaled[2], plain[2] / v_scale, rtol=1e-4, atol=1e-4)
+    assert np.abs(plain[1]).max() > 0.1 and np.abs(plain[2]).max() > 0.1  # a cache worth comparing
+
+
+def test_half_a_kv_scale_pair_is_named(tmp_path, tiny):
+    config, _, state = tiny
+    write_fp8_checkpoint(tmp_path, config, state, "ct_channel", (0.5, 0.25))
+    path = tmp_path / "model.safetensors"
+    tensors = dict(SafetensorsCheckpoint(tmp_path).tensors())
+    del tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.v_scale is missing"):
+        load_model(tmp_path, dtype="float32")
 
 
 def _serve(directory: Path):
