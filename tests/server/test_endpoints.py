@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
-import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,4 +80,6 @@ def test_the_gil_switch_interval_is_short_while_the_engine_thread_runs(served):
     """The engine thread takes the GIL back from the streaming event loop several times a step; at CPython's
     default 5 ms interval each can cost 5 ms (jaxserve.gil)."""
     assert served.frontend.is_running
-    assert sys.getswitchinterval() == pytest.approx(SHORT_SWITCH_INTERVAL_S)
+    # At most the short interval (`short_switch_interval` keeps a shorter one; CPython holds it in whole
+    # microseconds, so 0.0002 may read back as 0.000199).
+    assert sys.getswitchinterval() <= SHORT_SWITCH_INTERVAL_S + 1e-9
