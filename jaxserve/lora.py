@@ -119,15 +119,27 @@ def flat_names(tree: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-# tunix's projections (Llama3, Qwen3: q/k/v/o einsum weights `w`, MLP kernels) with qwix's LoRA pair beside them.
-_QWIX_NAME = re.compile(r"layers\.(\d+)\.(?:attn|mlp)\.(\w+_proj)\.(?:w|kernel)_lora_([ab])")
+# tunix's projections with qwix's LoRA pair beside them: Llama3 / Qwen3's q/k/v/o weights `w` and every family's
+# MLP kernels (a projection each), and Gemma's einsum weights (q / kv / qkv: one A for the projections they hold).
+_QWIX_NAME = re.compile(r"layers\.(\d+)\.(?:attn|mlp)\.(\w+_proj|\w+_einsum)\.(?:w|kernel)_lora_([ab])")
+# Gemma's einsum weights: the projections each holds, in the order of its b's leading axis after the rank (one
+# projection: no such axis). qwix gives an einsum's A the weight's contracted axes then the rank, and B the rank then
+# its other axes: q_einsum A [D, r], B [r, H, Dh]; kv_einsum B [r, 2, K, Dh]; qkv_einsum B [r, 3, H, Dh];
+# attn_vec_einsum A [H, Dh, r], B [r, D].
+_QWIX_EINSUMS = {
+    "q_einsum": ("q_proj",),
+    "kv_einsum": ("k_proj", "v_proj"),
+    "qkv_einsum": ("q_proj", "k_proj", "v_proj"),
+    "attn_vec_einsum": ("o_proj",),
+}
 
 
 def from_qwix(name: str, flat: Mapping[str, Any], config: Mapping[str, Any]) -> LoraAdapter:
     """An adapter from a tunix model's qwix LoRA parameters: `layers.N.attn.{q,k,v,o}_proj.w_lora_a` [*in, r] /
     `_lora_b` [r, *out] and `layers.N.mlp.{gate,up,down}_proj.kernel_lora_a` / `_lora_b` (their input and output
-    axes in tunix's order, which is Hugging Face's once flattened), scaled by qwix's alpha / r (config
-    {"lora_alpha": alpha}). Other parameters are an error: pass the LoRA parameters only."""
+    axes in tunix's order, which is Hugging Face's once flattened), or a Gemma's `layers.N.attn.{q,kv,qkv,
+    attn_vec}_einsum.w_lora_a` / `_lora_b` (`_QWIX_EINSUMS`), scaled by qwix's alpha / r (config {"lora_alpha":
+    alpha}). Other parameters are an error: pass the LoRA parameters only."""
     alpha = dict(config).get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise ValueError(
@@ -138,20 +150,25 @@ def from_qwix(name: str, flat: Mapping[str, Any], config: Mapping[str, Any]) -> 
         match = _QWIX_NAME.fullmatch(key)
         if match is None:
             raise ValueError(f"LoRA adapter {name!r}: {key} is not a qwix LoRA parameter of a tunix projection")
-        module = match.group(2)
-        if module not in MODULES:
-            raise ValueError(f"LoRA adapter {name!r}: {key} targets {module}; adapters may target {list(MODULES)}")
-        pairs[(int(match.group(1)), module)][match.group(3)] = np.asarray(value, np.float32)
+        source = match.group(2)
+        if source not in MODULES and source not in _QWIX_EINSUMS:
+            raise ValueError(f"LoRA adapter {name!r}: {key} targets {source}; adapters may target {list(MODULES)}")
+        pairs[(int(match.group(1)), source)][match.group(3)] = np.asarray(value, np.float32)
     weights, ranks = {}, set()
-    for (layer, module), halves in sorted(pairs.items()):
+    for (layer, source), halves in sorted(pairs.items()):
         if set(halves) != {"a", "b"}:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has _lora_{''.join(halves)} only")
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {source} has _lora_{''.join(halves)} only")
         a, b = halves["a"], halves["b"]
         rank = a.shape[-1]
-        if b.shape[0] != rank:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_a {a.shape}, lora_b {b.shape}")
+        modules = _QWIX_EINSUMS.get(source, (source,))
+        if b.shape[0] != rank or (len(modules) > 1 and (b.ndim < 3 or b.shape[1] != len(modules))):
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {source}: lora_a {a.shape}, lora_b {b.shape}")
         ranks.add(rank)
-        weights[(layer, module)] = (a.reshape(-1, rank).T, b.reshape(rank, -1).T)  # views in PEFT's layout
+        parts = [b] if len(modules) == 1 else [b[:, i] for i in range(len(modules))]
+        for module, part in zip(modules, parts, strict=True):  # views in PEFT's layout
+            if (layer, module) in weights:
+                raise ValueError(f"LoRA adapter {name!r}: two qwix parameters of layer {layer} hold {module}")
+            weights[(layer, module)] = (a.reshape(-1, rank).T, part.reshape(rank, -1).T)
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} holds no qwix LoRA parameters")
     if len(ranks) > 1:

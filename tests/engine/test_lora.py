@@ -311,6 +311,45 @@ def test_tunix_tree_with_qwix_lora_through_from_params_gives_peft_tokens(saved, 
         assert [o.outputs[0].token_ids for o in outputs] == [expected[n][i] for i, n in enumerate(names)]
 
 
+def test_gemma_qwix_einsums_give_each_projection_its_pair():
+    """A tunix Gemma's qwix LoRA on its einsum weights: kv_einsum's (and qkv_einsum's) one A serves each projection
+    it holds, with that projection's slice of B; attn_vec_einsum's A is [H, Dh, r]. Against tunix's own forward:
+    tests/integrations/test_tunix.py."""
+    from jaxserve.lora import from_qwix
+
+    rng = np.random.default_rng(0)
+    d, h, k, dh, r = 8, 4, 2, 3, 2
+
+    def normal(*shape):
+        return rng.standard_normal(shape, np.float32)
+
+    a_q, b_q = normal(d, r), normal(r, h, dh)
+    a_kv, b_kv = normal(d, r), normal(r, 2, k, dh)
+    a_o, b_o = normal(h, dh, r), normal(r, d)
+    tree = {
+        "layers.0.attn.q_einsum.w_lora_a": a_q,
+        "layers.0.attn.q_einsum.w_lora_b": b_q,
+        "layers.0.attn.kv_einsum.w_lora_a": a_kv,
+        "layers.0.attn.kv_einsum.w_lora_b": b_kv,
+        "layers.0.attn.attn_vec_einsum.w_lora_a": a_o,
+        "layers.0.attn.attn_vec_einsum.w_lora_b": b_o,
+    }
+    adapter = from_qwix("g", tree, {"lora_alpha": 4.0})
+    assert adapter.rank == r and adapter.scaling == 2.0
+    pairs = adapter.weights
+    np.testing.assert_array_equal(pairs[(0, "q_proj")][1], b_q.reshape(r, h * dh).T)
+    for i, module in enumerate(("k_proj", "v_proj")):
+        np.testing.assert_array_equal(pairs[(0, module)][0], a_kv.T)
+        np.testing.assert_array_equal(pairs[(0, module)][1], b_kv[:, i].reshape(r, k * dh).T)
+    np.testing.assert_array_equal(pairs[(0, "o_proj")][0], a_o.reshape(h * dh, r).T)
+    bad = {**tree, "layers.0.attn.kv_einsum.w_lora_b": normal(r, 3, k, dh)}
+    with pytest.raises(ValueError, match="layer 0 kv_einsum"):
+        from_qwix("g", bad, {"lora_alpha": 4.0})
+    both = {**tree, "layers.0.attn.qkv_einsum.w_lora_a": a_kv, "layers.0.attn.qkv_einsum.w_lora_b": normal(r, 3, h, dh)}
+    with pytest.raises(ValueError, match="two qwix parameters of layer 0 hold"):
+        from_qwix("g", both, {"lora_alpha": 4.0})
+
+
 def test_errors_name_the_problem_and_change_nothing(saved, llm, tmp_path):
     root, expected = saved
     tensors, config = _tensors_and_config(root / "all")

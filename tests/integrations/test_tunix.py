@@ -305,6 +305,36 @@ def test_gemma_rollout_logps_equal_tunix_forward(mesh, version):
     check_logps_match_tunix(trained, rollout.generate(prompts[:2], greedy), greedy)
 
 
+def tiny_lora_gemma(version: int, seed: int, rank: int = 4) -> gemma.Gemma | gemma3.Gemma3:
+    """`tiny_gemma` with qwix LoRA on its einsum projections (q / kv, or Gemma 2's qkv: one A for the projections
+    each holds; attn_vec) and its MLP, B random."""
+    modules = ".*q_einsum|.*kv_einsum|.*qkv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|.*down_proj"
+    base = tiny_gemma(version, seed)
+    model = qwix.apply_lora_to_model(
+        base, qwix.LoraProvider(module_path=modules, rank=rank, alpha=LORA_ALPHA), **base.get_model_input()
+    )
+    randomize_lora(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_gemma_lora_rollout_logps_equal_tunix_forward(mesh, version):
+    """A Gemma 2 (the fused qkv einsum) and a Gemma3 (q and kv einsums) trained with qwix LoRA: served as the base
+    model plus the adapter, their logprobs are tunix's forward with the adapter applied."""
+    model = tiny_lora_gemma(version, seed=0)
+    config = rollout_config(temperature=0.0)
+    rollout = JaxserveRollout(model, CharTokenizer(), mesh, config, lora_alpha=LORA_ALPHA, **ENGINE)
+    assert rollout.llm.list_loras() == ["actor"]
+    # BOS + 15 tokens each: no padded row (Gemma 2's window in tunix's forward; see the test above).
+    prompts = ["hello there you", "what is two plu"]
+    out = rollout.generate(prompts, config)
+    check_logps_match_tunix(model, out, config)
+    without = tunix_logps(
+        tiny_gemma(version, seed=0), out.left_padded_prompt_tokens, padded_completions(out.tokens), 1.0
+    )
+    assert not np.allclose(out.logprobs[0], without[0, : len(out.tokens[0])], atol=1e-2), "the adapter is applied"
+
+
 def test_gemma_configs_without_a_hugging_face_counterpart_are_refused():
     full = gemma.AttentionType.GLOBAL
     half = gemma.ModelConfig(
