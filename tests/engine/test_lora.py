@@ -10,10 +10,10 @@ import re
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 peft = pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
+
+from peft_reference import HF_CONFIG, NEW_TOKENS, VOCAB, peft_tokens, save_adapter, save_base_model  # noqa: E402
 
 from jaxserve.config import CompileConfig, KvCacheConfig  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
@@ -22,21 +22,7 @@ from jaxserve.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
 
-VOCAB = 160
-NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-HF_CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    initializer_range=0.3,
-    tie_word_embeddings=False,
-)
 # Ranks, alphas and target sets that differ: q/v only; all seven with rsLoRA; k/o/up/down.
 ADAPTERS = {
     "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -51,58 +37,16 @@ ADAPTERS = {
 PROMPTS = [np.random.default_rng(i).integers(0, VOCAB, n).tolist() for i, n in enumerate((5, 19, 11, 30, 7, 24))]
 
 
-def _base_model(directory) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**HF_CONFIG)
-    config.architectures = ["LlamaForCausalLM"]
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    model.save_pretrained(directory)
-    return model
-
-
-def _save_adapter(base, directory, seed: int, **options) -> None:
-    """A peft adapter with random A and B (B scaled up so that it moves the greedy tokens), saved as peft saves."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(init_lora_weights=False, **options)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20.0)
-    model.save_pretrained(directory)
-    model.unload()  # the base model without the adapter's layers, for the next one
-
-
-def _peft_tokens(base_dir, adapter_dir, prompts) -> list[list[int]]:
-    """transformers + peft's greedy tokens (float32), the adapter applied unmerged; adapter_dir None: the base."""
-    model = transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(generated[0, len(prompt) :].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """The base model and the adapters on disk (a second 'qv' for updates), and peft's tokens for each."""
     root = tmp_path_factory.mktemp("lora")
-    base = _base_model(root / "base")
+    base = save_base_model(root / "base")
     for seed, (name, options) in enumerate(ADAPTERS.items(), start=1):
-        _save_adapter(base, root / name, seed, **options)
-    _save_adapter(base, root / "qv2", 10, **ADAPTERS["qv"])
-    expected = {name: _peft_tokens(root / "base", root / name, PROMPTS) for name in [*ADAPTERS, "qv2"]}
-    expected[None] = _peft_tokens(root / "base", None, PROMPTS)
+        save_adapter(base, root / name, seed, **options)
+    save_adapter(base, root / "qv2", 10, **ADAPTERS["qv"])
+    expected = {name: peft_tokens(root / "base", root / name, PROMPTS) for name in [*ADAPTERS, "qv2"]}
+    expected[None] = peft_tokens(root / "base", None, PROMPTS)
     return root, expected
 
 
@@ -138,7 +82,7 @@ def test_adapters_differ_from_the_base_model(saved):
         assert expected[name] != expected[None], f"adapter {name} does not move the greedy tokens: a weak test"
 
 
-def test_three_adapters_mixed_with_base_rows_give_peft_tokens(saved, llm):
+def test_three_adapters_mixed_with_base_rows_givepeft_tokens(saved, llm):
     root, expected = saved
     names = [None, "qv", "all", "koud", "qv", None]
     requests = [None if n is None else _request(root, n, 1 + list(ADAPTERS).index(n)) for n in names]
@@ -274,7 +218,7 @@ def _merged(tree: dict, extra: dict) -> dict:
     return out
 
 
-def test_tunix_tree_with_qwix_lora_through_from_params_gives_peft_tokens(saved, char_tokenizer):
+def test_tunix_tree_with_qwix_lora_through_from_params_givespeft_tokens(saved, char_tokenizer):
     """A tunix Llama3 trained with qwix LoRA, given to `from_params` as it is: its LoRA parameters are served as an
     adapter beside the base model, and two more qwix trees load beside it; mixed with base rows, each gives peft's
     tokens."""

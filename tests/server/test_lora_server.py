@@ -23,10 +23,11 @@ import numpy as np
 import openai
 import pytest
 import requests
-import torch
 import transformers
 
 peft = pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
+
+from peft_reference import NEW_TOKENS, VOCAB, peft_tokens, save_adapter, save_base_model  # noqa: E402
 
 from jaxserve.cli_args import build_parser  # noqa: E402
 from jaxserve.config import CompileConfig, KvCacheConfig  # noqa: E402
@@ -41,20 +42,6 @@ pytestmark = pytest.mark.needs_torch
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = "tiny-llama"
-VOCAB = 160
-NEW_TOKENS = 8
-HF_CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    initializer_range=0.3,
-    tie_word_embeddings=False,
-)
 ADAPTERS = {
     "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "all": dict(
@@ -98,15 +85,11 @@ GREEDY = dict(max_tokens=NEW_TOKENS, temperature=0.0, extra_body={"ignore_eos": 
 
 
 def _save_base(directory: Path) -> transformers.LlamaForCausalLM:
-    """A tiny random Llama, and a word-level tokenizer whose token i is "t{i}" (the chat template joins the
+    """The tiny random Llama, and a word-level tokenizer whose token i is "t{i}" (the chat template joins the
     messages' contents), so that texts are exact functions of the token ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**HF_CONFIG)
-    config.architectures = ["LlamaForCausalLM"]
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    model.save_pretrained(directory)
+    model = save_base_model(directory)
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -116,50 +99,17 @@ def _save_base(directory: Path) -> transformers.LlamaForCausalLM:
     return model
 
 
-def _save_adapter(base, directory: Path, seed: int, **options) -> None:
-    """A peft adapter with random A and B (B scaled up so that it moves the greedy tokens), saved as peft saves."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **options))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20.0)
-    model.save_pretrained(directory)
-    model.unload()  # the base model without the adapter's layers, for the next one
-
-
-def _peft_tokens(base_dir: Path, adapter_dir: Path | None) -> list[list[int]]:
-    """transformers + peft's greedy tokens for PROMPTS (float32, no stop at eos), the adapter applied unmerged."""
-    model = transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # the requests ignore eos
-    if adapter_dir is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            generated = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(generated[0, len(prompt) :].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict[str | None, list[list[int]]]]:
     """The base model and the adapters on disk, and peft's tokens for the base model and each servable adapter."""
     root = tmp_path_factory.mktemp("lora-server")
     base = _save_base(root / "base")
     for seed, (name, options) in enumerate(ADAPTERS.items(), start=1):
-        _save_adapter(base, root / name, seed, **options)
+        save_adapter(base, root / name, seed, **options)
     expected: dict[str | None, list[list[int]]] = {
-        name: _peft_tokens(root / "base", root / name) for name in ("qv", "all")
+        name: peft_tokens(root / "base", root / name, PROMPTS) for name in ("qv", "all")
     }
-    expected[None] = _peft_tokens(root / "base", None)
+    expected[None] = peft_tokens(root / "base", None, PROMPTS)
     for name in ("qv", "all"):
         assert expected[name] != expected[None], f"adapter {name} does not move the greedy tokens: a weak test"
     return root, expected
