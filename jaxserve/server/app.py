@@ -39,8 +39,9 @@ from starlette.types import Receive, Scope, Send
 from jaxserve.sampling import RequestOutput
 from jaxserve.server import protocol
 from jaxserve.server.config import ServedModel, ServerConfig
+from jaxserve.server.driver import StepFailed, Unavailable
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.frontend import AsyncEngine, RequestGroup, StepFailed, Unavailable
+from jaxserve.server.frontend import AsyncEngine, RequestGroup
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.params import EngineInputs, EngineLimits, chat_inputs, completion_inputs
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions

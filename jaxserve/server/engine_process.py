@@ -46,7 +46,7 @@ from typing import Any
 from jaxserve import gil
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.config import ServedModel
-from jaxserve.server.frontend import EngineDriver, Event, Unavailable
+from jaxserve.server.driver import EngineDriver, Event, Unavailable
 
 logger = logging.getLogger(__name__)
 

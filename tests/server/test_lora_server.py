@@ -35,7 +35,7 @@ from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.replicas import Round  # noqa: E402
 from jaxserve.sampling import SamplingParams  # noqa: E402
 from jaxserve.server.config import LoraModule, ServerConfig  # noqa: E402
-from jaxserve.server.frontend import EngineDriver  # noqa: E402
+from jaxserve.server.driver import EngineDriver  # noqa: E402
 from jaxserve.server.launch import make_server  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
