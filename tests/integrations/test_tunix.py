@@ -383,27 +383,33 @@ class Prompts(grain.RandomAccessDataSource):
         return len(self._prompts)
 
 
+def rl_cluster(mesh, actor, reference, config, *, max_steps: int, **rollout_options) -> rl_cluster_lib.RLCluster:
+    """tunix's RL cluster of the GRPO tests: every role on `mesh`, the rollout served by jaxserve (with
+    `rollout_options`, e.g. lora_alpha), SGD on the actor."""
+    roles = rl_cluster_lib.Role
+    return rl_cluster_lib.RLCluster(
+        actor=actor,
+        reference=reference,
+        tokenizer=CharTokenizer(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+            rollout_engine=functools.partial(JaxserveRollout, **rollout_options, **ENGINE),
+            offload_to_cpu=False,
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=max_steps
+            ),
+            rollout_config=config,
+        ),
+    )
+
+
 def test_grpo_steps_with_the_jaxserve_rollout(mesh):
     """GRPO with a reference model (beta > 0) and two iterations per batch (old logps from the rollout):
     the actor trains, every weight sync reaches the engine, and its logprobs stay tunix's own."""
     actor, reference = tiny_llama3(seed=0), tiny_llama3(seed=0)
     before = jax.tree.map(jnp.copy, nnx.state(actor, nnx.Param))
     config = rollout_config()
-    roles = rl_cluster_lib.Role
-    cluster = rl_cluster_lib.RLCluster(
-        actor=actor,
-        reference=reference,
-        tokenizer=CharTokenizer(),
-        cluster_config=rl_cluster_lib.ClusterConfig(
-            role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
-            rollout_engine=functools.partial(JaxserveRollout, **ENGINE),
-            offload_to_cpu=False,
-            training_config=rl_cluster_lib.RLTrainingConfig(
-                actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=4
-            ),
-            rollout_config=config,
-        ),
-    )
+    cluster = rl_cluster(mesh, actor, reference, config, max_steps=4)
     rollout = cluster.rollout
     assert isinstance(rollout, JaxserveRollout)
     calls = {"logps": 0}
@@ -437,21 +443,7 @@ def test_grpo_steps_of_a_lora_actor_with_the_jaxserve_rollout(mesh):
     actor, reference = tiny_lora_llama3(seed=0), tiny_llama3(seed=0)
     before = jax.tree.map(jnp.copy, nnx.state(actor, nnx.LoRAParam))
     config = rollout_config()
-    roles = rl_cluster_lib.Role
-    cluster = rl_cluster_lib.RLCluster(
-        actor=actor,
-        reference=reference,
-        tokenizer=CharTokenizer(),
-        cluster_config=rl_cluster_lib.ClusterConfig(
-            role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
-            rollout_engine=functools.partial(JaxserveRollout, lora_alpha=LORA_ALPHA, **ENGINE),
-            offload_to_cpu=False,
-            training_config=rl_cluster_lib.RLTrainingConfig(
-                actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=2
-            ),
-            rollout_config=config,
-        ),
-    )
+    cluster = rl_cluster(mesh, actor, reference, config, max_steps=2, lora_alpha=LORA_ALPHA)
     rollout = cluster.rollout
     learner = grpo_learner.GRPOLearner(
         rl_cluster=cluster,
