@@ -15,9 +15,10 @@
 #   bash benchmarks/gpu_engine.sh fp8         # batch 1 in bf16, FP8 weights + FP8 KV, and --quantize-lm-head;
 #                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV;
 #                                             # fp8_gemm: fp8_gemm.py's table (the products by layout, ~5 min)
-#   bash benchmarks/gpu_engine.sh lora        # 1024 x 128/128 and batch 1 without and with 4 random rank-16 adapters
-#                                             # on all seven projections (requests spread over them); lora_update: the
-#                                             # update of one rank-64 adapter (bench's lora.update_ms)
+#   bash benchmarks/gpu_engine.sh lora        # batch 1 and 1024 x 128/128 without and with 4 random rank-16 adapters
+#                                             # on all seven projections (requests spread over them), then the update
+#                                             # of one rank-64 adapter (bench's lora.update_ms; NO_UPDATE=1: not),
+#                                             # one 10-minute call; lora_update: the update alone
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -116,10 +117,12 @@ case "${1:-}" in
   lora)  # the base model and 4 adapters of rank 16, same start (the bf16 figures the targets compare against)
     T=(throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128)
     B1=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
-    bench_run t1024_base 240 "${T[@]}"
-    bench_run t1024_lora4 300 "${T[@]}" --lora-adapters 4 --max-lora-rank 16
-    bench_run latency_b1_base 150 "${B1[@]}"
-    bench_run latency_b1_lora4 150 "${B1[@]}" --lora-adapters 4 --max-lora-rank 16
+    bench_run latency_b1_base 80 "${B1[@]}"
+    bench_run latency_b1_lora4 80 "${B1[@]}" --lora-adapters 4 --max-lora-rank 16
+    bench_run t1024_base 140 "${T[@]}"
+    bench_run t1024_lora4 160 "${T[@]}" --lora-adapters 4 --max-lora-rank 16
+    [ -z "${NO_UPDATE:-}" ] && bench_run latency_b1_lora_r64 70 latency --random-weights $MODEL --batch-size 1 \
+      --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
     ;;
   lora_update)  # one rank-64 adapter on all seven projections: its update_lora time (lora.update_ms)
     bench_run latency_b1_lora_r64 200 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64

@@ -265,9 +265,8 @@ class LoraTableWriter:
     def _write(self, tables: Any, key: tuple[int, str], slot: int, pair: Any, scaling: float) -> Any:
         site = self.sites[key]
         rank = 0 if pair is None else pair[0].shape[0]
-        if (
-            rank < self.max_rank
-        ):  # padded to the tables' rank on the host: every write runs the update compiled at start
+        # Padded to the tables' rank on the host: every write runs the update compiled at start.
+        if rank < self.max_rank:
             a = np.zeros((self.max_rank, int(np.prod(site.in_shape))), np.float32)
             b = np.zeros((site.out_width, self.max_rank), np.float32)
             if pair is not None:
