@@ -227,6 +227,8 @@ class LLM:
         if lora:
             rank = max(int(np.shape(value)[-1]) for key, value in lora.items() if key.endswith("_lora_a"))
             engine_kwargs = {"enable_lora": True, "max_lora_rank": rank, **engine_kwargs}
+            if not engine_kwargs["enable_lora"]:
+                raise ValueError("the parameters hold LoRA parameters, which need enable_lora=True")
             if engine_kwargs["max_lora_rank"] < rank:
                 limit = engine_kwargs["max_lora_rank"]
                 raise ValueError(f"the parameters' LoRA rank {rank} is above max_lora_rank={limit}")
@@ -237,7 +239,11 @@ class LLM:
         loaded = LoadedModel(family, cfg, weights, hf_config, None, "parameters in memory")
         llm = cls(loaded, tokenizer=tokenizer, **{**engine_kwargs, "dtype": dtype})
         if lora:
-            llm.load_lora(lora_name, lora, {"lora_alpha": lora_alpha})
+            try:
+                llm.load_lora(lora_name, lora, {"lora_alpha": lora_alpha})
+            except Exception:
+                llm.close()  # an adapter that does not fit the model: nothing is left holding device memory
+                raise
         return llm
 
     @property

@@ -227,6 +227,10 @@ def test_tunix_tree_with_qwix_lora_through_from_params_givespeft_tokens(saved, c
     config = json.loads((root / "base" / "config.json").read_text())
     with pytest.raises(ValueError, match="pass lora_alpha"):
         LLM.from_params(_merged(_tunix_tree(root / "base"), lora_all), config, char_tokenizer())
+    with pytest.raises(ValueError, match="rank 8 is above max_lora_rank=4"):
+        LLM.from_params(_merged(_tunix_tree(root / "base"), lora_all), config, None, lora_alpha=1.0, max_lora_rank=4)
+    with pytest.raises(ValueError, match="hold no qwix LoRA parameters"):
+        LLM.from_params(_tunix_tree(root / "base"), config, char_tokenizer(), lora_alpha=1.0)
     llm = LLM.from_params(
         _merged(_tunix_tree(root / "base"), lora_all),
         config,
