@@ -12,9 +12,10 @@ Formats read:
   `X.weight_scale` [out, 1] (strategy "channel") or [1] / [] (strategy "tensor"); `X.input_scale` (a static
   activation scale) is dropped, with one log line: activations are quantized per token at run time.
 Calibrated KV-cache scales (`self_attn.k_scale`, `v_scale`, or one `kv_scale` for both: a `kv_cache_scheme`, one
-value a layer) are folded into the attention weights at load (`folded_kv_scales`): k_proj is divided by k_scale and
-q_proj multiplied by it (or, with Qwen3's and Gemma 3's q/k norms, which would undo a scale on the projection, the
-norm weights), v_proj divided by v_scale and o_proj multiplied by it. The model computes the same function, and the
+value a layer) are folded into the attention weights at load (`folded_kv_scales`; scale tensors in a checkpoint
+whose config declares no scheme are dropped): k_proj is divided by k_scale and q_proj multiplied by it (or, with
+Qwen3's and Gemma 3's q/k norms, which would undo a scale on the projection, the norm weights), v_proj divided by
+v_scale and o_proj multiplied by it. The model computes the same function, and the
 K and V it writes are K / k_scale and V / v_scale: what an FP8 KV cache (`kv_cache_dtype="fp8"`) stores is e4m3 of
 those, as the calibration intends, with no scale left to apply at run time (on any attention backend).
 Any other `quant_method`, format or weight type is an error that names it. Tensors without a scale (norms,
@@ -159,13 +160,23 @@ def _dequantized(name: str, values: np.ndarray, scale: np.ndarray, fmt: Fp8Check
         raise ValueError(f"{name}: {e}") from e
 
 
+def has_kv_cache_scales(hf_config: dict) -> bool:
+    """Whether the config's quantization_config declares calibrated KV-cache scales (a `kv_cache_scheme`)."""
+    return (hf_config.get("quantization_config") or {}).get("kv_cache_scheme") is not None
+
+
 def folded_kv_scales(
-    tensors: Iterator[tuple[str, np.ndarray]], *, qk_norm: bool, norm_offset: float = 0.0
+    tensors: Iterator[tuple[str, np.ndarray]], *, calibrated: bool, qk_norm: bool, norm_offset: float = 0.0
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint's tensors with each layer's KV-cache scales folded into its attention weights (module
-    docstring), the scale tensors themselves consumed. qk_norm: the layers normalise q and k per head (the k
-    scale goes into the norm weights); norm_offset: 1 where the norm multiplies by (1 + w) (Gemma). A layer's
-    attention tensors wait for its scales; a layer without scales keeps its weights (a scale of 1)."""
+    docstring), the scale tensors themselves consumed. calibrated: the config declares the scales
+    (`has_kv_cache_scales`); without that, scale tensors are dropped with a log line and nothing waits. qk_norm:
+    the layers normalise q and k per head (the k scale goes into the norm weights); norm_offset: 1 where the norm
+    multiplies by (1 + w) (Gemma). A layer's attention tensors wait for its scales; a layer without scales keeps
+    its weights (a scale of 1)."""
+    if not calibrated:
+        yield from _without_kv_scales(tensors)
+        return
     waiting: dict[str, list[tuple[str, np.ndarray]]] = defaultdict(list)
     scales: dict[str, dict[str, float]] = defaultdict(dict)
     folded = 0
@@ -217,3 +228,15 @@ def folded_kv_scales(
             "cache stores K / k_scale and V / v_scale)",
             folded,
         )
+
+
+def _without_kv_scales(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors less any KV-cache scale (a checkpoint whose config declares no kv_cache_scheme)."""
+    dropped = 0
+    for name, array in tensors:
+        if _KV_SCALE.fullmatch(name) is None:
+            yield name, array
+        else:
+            dropped += 1
+    if dropped:
+        logger.info("FP8 checkpoint: %d KV-cache scales without a kv_cache_scheme dropped (a scale of 1)", dropped)

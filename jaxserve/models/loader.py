@@ -114,7 +114,10 @@ def load_model(source: str | os.PathLike, *, dtype: str = "bfloat16", on_device:
             tensors = fp8_checkpoint.dequantized_tensors(tensors, fp8)
             qk_norm = bool(getattr(getattr(cfg, "base", cfg), "qk_norm", False))  # an MoE config's base
             norm_offset = getattr(family, "RMS_NORM_OFFSET", 0.0)
-            tensors = fp8_checkpoint.folded_kv_scales(tensors, qk_norm=qk_norm, norm_offset=norm_offset)
+            calibrated = fp8_checkpoint.has_kv_cache_scales(hf_config)
+            tensors = fp8_checkpoint.folded_kv_scales(
+                tensors, calibrated=calibrated, qk_norm=qk_norm, norm_offset=norm_offset
+            )
         weights = _assemble(family, cfg, tensors, np_dtype, on_device)
     tokenizer_source = str(path) if any((path / name).is_file() for name in _TOKENIZER_MARKERS) else None
     return LoadedModel(family, cfg, weights, hf_config, tokenizer_source, str(source))

@@ -35,6 +35,18 @@ ADAPTERS = {
     "koud": dict(r=2, lora_alpha=2, target_modules=["k_proj", "o_proj", "up_proj", "down_proj"]),
 }
 PROMPTS = [np.random.default_rng(i).integers(0, VOCAB, n).tolist() for i, n in enumerate((5, 19, 11, 30, 7, 24))]
+# The engine keywords of every LLM here (each adds its buckets and LoRA options); two slots for three adapters: one
+# of them waits for a slot.
+ENGINE = dict(
+    dtype="float32",
+    max_batch_size=4,
+    max_num_tokens=32,
+    max_seq_len=128,
+    kv_cache_config=KvCacheConfig(max_tokens=512),
+    attention_backend="xla",
+    max_loras=2,
+    show_progress=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +68,10 @@ def llm(saved, char_tokenizer):
     llm = LLM(
         str(root / "base"),
         tokenizer=char_tokenizer(),
-        dtype="float32",
-        max_batch_size=4,
-        max_num_tokens=32,
-        max_seq_len=128,
-        kv_cache_config=KvCacheConfig(max_tokens=512),
         compile_config=CompileConfig(decode_batch_sizes=(2, 4), token_buckets=(16, 32), penalty_variants=False),
-        attention_backend="xla",
         enable_lora=True,
-        max_loras=2,  # three adapters: one of them waits for a slot
         max_lora_rank=8,
-        show_progress=False,
+        **ENGINE,
     )
     yield llm
     llm.close()
@@ -82,7 +87,7 @@ def test_adapters_differ_from_the_base_model(saved):
         assert expected[name] != expected[None], f"adapter {name} does not move the greedy tokens: a weak test"
 
 
-def test_three_adapters_mixed_with_base_rows_givepeft_tokens(saved, llm):
+def test_three_adapters_mixed_with_base_rows_give_peft_tokens(saved, llm):
     root, expected = saved
     names = [None, "qv", "all", "koud", "qv", None]
     requests = [None if n is None else _request(root, n, 1 + list(ADAPTERS).index(n)) for n in names]
@@ -154,9 +159,6 @@ def _tensors_and_config(directory) -> tuple[dict, dict]:
     )
 
 
-_TUNIX_ATTENTION = {"q_proj": "w", "k_proj": "w", "v_proj": "w", "o_proj": "w"}
-
-
 def _tunix_tree(base_dir) -> dict:
     """The base model's weights as a tunix Llama3's parameters (nested as an NNX pure dict, layer indices as int
     keys): our layouts under tunix's names."""
@@ -205,9 +207,9 @@ def _qwix_lora(adapter_dir) -> tuple[dict, float]:
             leaf = value.T.reshape(*in_shape.get(module, (-1,)), r)
         else:  # [out, r] -> [r, *out]
             leaf = value.T.reshape(r, *out_shape.get(module, (-1,)))
-        kernel = _TUNIX_ATTENTION.get(module, "kernel")
-        node = layers.setdefault(layer, {}).setdefault("attn" if block == "self_attn" else "mlp", {})
-        node.setdefault(module, {})[f"{kernel}_lora_{half.lower()}"] = leaf
+        attention = block == "self_attn"  # tunix's attention weights are `w`, its MLP's `kernel`
+        node = layers.setdefault(layer, {}).setdefault("attn" if attention else "mlp", {})
+        node.setdefault(module, {})[f"{'w' if attention else 'kernel'}_lora_{half.lower()}"] = leaf
     return {"layers": layers}, scaling * r
 
 
@@ -218,7 +220,7 @@ def _merged(tree: dict, extra: dict) -> dict:
     return out
 
 
-def test_tunix_tree_with_qwix_lora_through_from_params_givespeft_tokens(saved, char_tokenizer):
+def test_tunix_tree_with_qwix_lora_through_from_params_gives_peft_tokens(saved, char_tokenizer):
     """A tunix Llama3 trained with qwix LoRA, given to `from_params` as it is: its LoRA parameters are served as an
     adapter beside the base model, and two more qwix trees load beside it; mixed with base rows, each gives peft's
     tokens."""
@@ -237,15 +239,8 @@ def test_tunix_tree_with_qwix_lora_through_from_params_givespeft_tokens(saved, c
         char_tokenizer(),
         lora_alpha=alpha_all,
         lora_name="all",
-        dtype="float32",
-        max_batch_size=4,
-        max_num_tokens=32,
-        max_seq_len=128,
-        kv_cache_config=KvCacheConfig(max_tokens=512),
         compile_config=CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
-        attention_backend="xla",
-        max_loras=2,
-        show_progress=False,
+        **ENGINE,
     )
     with llm:
         assert llm.list_loras() == ["all"] and llm.config.lora.max_lora_rank == ADAPTERS["all"]["r"]

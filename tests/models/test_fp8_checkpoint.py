@@ -163,6 +163,22 @@ def test_kv_cache_scales_fold_into_the_attention_weights(tmp_path, tiny_hf_confi
     assert np.abs(plain[1]).max() > 0.1 and np.abs(plain[2]).max() > 0.1  # a cache worth comparing
 
 
+def test_kv_scales_without_a_kv_cache_scheme_are_dropped(tmp_path, tiny):
+    """Scale tensors in a checkpoint whose config declares no kv_cache_scheme are not folded (and no attention
+    tensor waits for them): the weights are those of the checkpoint without them."""
+    config, _, state = tiny
+    write_fp8_checkpoint(tmp_path / "scaled", config, state, "ct_channel", (0.5, 0.25))
+    path = tmp_path / "scaled" / "config.json"
+    written = json.loads(path.read_text())
+    del written["quantization_config"]["kv_cache_scheme"]
+    path.write_text(json.dumps(written))
+    write_fp8_checkpoint(tmp_path / "plain", config, state, "ct_channel")
+    scaled = load_model(tmp_path / "scaled", dtype="float32").weights.layers
+    plain = load_model(tmp_path / "plain", dtype="float32").weights.layers
+    for field in ("wq", "wk", "wv", "wo"):
+        np.testing.assert_array_equal(getattr(scaled, field), getattr(plain, field))
+
+
 def test_half_a_kv_scale_pair_is_named(tmp_path, tiny):
     config, _, state = tiny
     write_fp8_checkpoint(tmp_path, config, state, "ct_channel", (0.5, 0.25))
