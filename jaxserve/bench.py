@@ -353,20 +353,25 @@ class LoraSummary:
     update_ms: float
 
 
-def random_adapter_tensors(llm: LLM, rank: int, seed: int) -> dict[str, np.ndarray]:
-    """PEFT-named tensors of a random rank-`rank` adapter on every projection adapters may target in the model
-    (lora_A ~ N(0, 1/in), lora_B ~ N(0, 0.01^2): realistic sizes, values that do not matter to the timing)."""
+def random_adapter_tensors(
+    llm: LLM, rank: int, seed: int, modules: Sequence[str] | None = None, b_std: float = 0.01
+) -> dict[str, np.ndarray]:
+    """PEFT-named tensors of a random rank-`rank` adapter on every projection adapters may target in the model (or
+    on those of `modules`): lora_A ~ N(0, 1/in), lora_B ~ N(0, b_std^2) (by default realistic sizes, values that
+    do not matter to the timing)."""
     from jaxserve.models import lora
 
     spec = llm.engine.runner.spec
     rng = np.random.default_rng(seed)
     tensors = {}
     for (layer, module), site in lora.module_sites(spec.family.serving_specs(spec.cfg)).items():
+        if modules is not None and module not in modules:
+            continue
         inputs = int(np.prod(site.in_shape))
         parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
         name = f"base_model.model.model.layers.{layer}.{parent}.{module}"
         tensors[f"{name}.lora_A.weight"] = rng.standard_normal((rank, inputs), np.float32) * inputs**-0.5
-        tensors[f"{name}.lora_B.weight"] = rng.standard_normal((site.out_width, rank), np.float32) * 0.01
+        tensors[f"{name}.lora_B.weight"] = rng.standard_normal((site.out_width, rank), np.float32) * b_std
     return tensors
 
 

@@ -18,9 +18,9 @@ CHECK = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     import transformers
     from jaxserve import LLM, CompileConfig, KvCacheConfig, LoRARequest, SamplingParams
-    from jaxserve.bench import TokenIdTokenizer
+    from jaxserve.bench import TokenIdTokenizer, random_adapter_tensors
     from jaxserve.config import SchedulerConfig, CapacityPolicy
-    from jaxserve.models import lora, quant, registry
+    from jaxserve.models import quant, registry
     from jaxserve.models.loader import LoadedModel
 
     assert jax.device_count() == 2, jax.devices()
@@ -29,18 +29,6 @@ CHECK = textwrap.dedent(
     hf.architectures = ["LlamaForCausalLM"]
     family, cfg = registry.resolve(hf.to_dict())
     model = LoadedModel(family, cfg, family.init_weights(cfg, jax.random.key(0), jnp.float32), hf.to_dict(), None, "t")
-
-    def adapter(seed, rank, modules):  # PEFT-named tensors on `modules` of every layer, B large enough to matter
-        rng = np.random.default_rng(seed)
-        tensors = {}
-        for (layer, module), site in lora.module_sites(family.serving_specs(cfg)).items():
-            if module in modules:
-                parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                name = f"base_model.model.model.layers.{layer}.{parent}.{module}"
-                inputs = int(np.prod(site.in_shape))
-                tensors[name + ".lora_A.weight"] = rng.standard_normal((rank, inputs), np.float32) * inputs**-0.5
-                tensors[name + ".lora_B.weight"] = rng.standard_normal((site.out_width, rank), np.float32) * 0.5
-        return tensors, {"r": rank, "lora_alpha": rank}
 
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, 160, 40).tolist()
@@ -55,8 +43,10 @@ CHECK = textwrap.dedent(
                   compile_config=CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False),
                   attention_backend="xla", quantization="fp8", quantize_lm_head=True, enable_lora=True, max_loras=2,
                   max_lora_rank=8, show_progress=False)
-        llm.load_lora("all", *adapter(1, 8, lora.MODULES))
-        llm.load_lora("qko", *adapter(2, 4, ("q_proj", "k_proj", "o_proj")))
+        # B large enough to move the tokens
+        llm.load_lora("all", random_adapter_tensors(llm, 8, 1, b_std=0.5), {"r": 8, "lora_alpha": 8})
+        qko = random_adapter_tensors(llm, 4, 2, modules=("q_proj", "k_proj", "o_proj"), b_std=0.5)
+        llm.load_lora("qko", qko, {"r": 4, "lora_alpha": 4})
         greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         out = llm.generate(prompts, greedy, use_tqdm=False, lora_request=adapters)
         tokens[tp] = [o.outputs[0].token_ids for o in out]
