@@ -35,6 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from jaxserve.models.quant import dequantized
+
 from .checks import FLOAT_DTYPES
 from .common import _PRECISION, and_mask, filter_triton_deprecation
 from .tuning import check_power_of_two
@@ -43,11 +45,6 @@ _MAX_ELEMENTS = 1 << 31
 
 # ---------------------------------------------------------------------------------------------------------
 # References
-
-
-def dequantized(rhs: Array, rhs_scale: Array | None) -> Array:
-    """An FP8 expert stack [E, Din, *out] as float32 values * rhs_scale[E, *out] (rhs itself without a scale)."""
-    return rhs if rhs_scale is None else rhs.astype(jnp.float32) * jnp.expand_dims(rhs_scale, 1)
 
 
 def grouped_matmul_reference(

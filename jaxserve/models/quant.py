@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxserve.kernels.moe import dequantized
 from jaxserve.models.lora import LoraLinear, lora_delta
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -65,6 +64,12 @@ def serving_order(values: Array, num_in_axes: int) -> Array:
     """`stored_order`'s inverse: [*out, *in] as [*in, *out]."""
     n = values.ndim
     return jnp.moveaxis(values, tuple(range(n - num_in_axes, n)), tuple(range(num_in_axes)))
+
+
+def dequantized(rhs: Array, rhs_scale: Array | None) -> Array:
+    """An FP8 expert stack [E, Din, *out] as float32 values * rhs_scale[E, *out] (rhs itself without a scale): the
+    operand of the grouped GEMMs' references (`jaxserve.kernels.moe`) and of `Fp8Experts.dequantize`."""
+    return rhs if rhs_scale is None else rhs.astype(jnp.float32) * jnp.expand_dims(rhs_scale, 1)
 
 
 @jax.tree_util.register_dataclass
