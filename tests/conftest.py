@@ -16,33 +16,32 @@ from typing import Any
 import jax
 import pytest
 
-# Longest first: the files over ~45 s of worker time in a full run on a 2-core CPU with two workers (per-file sums
-# of `--durations=0`, 2026-12-07; the whole suite is ~3,400 worker-seconds): the engine against the dense reference
-# (~300), the backends (~270), the Gemma 3 270M model (~230), FP8 engine and quality (~180, ~120), the notebooks
-# (~160), the lazy engine (~140), completions (~115), the two-process runs and the MoE meshes (~105 each), the
-# CLI and bench (~100, ~95), GGUF (~90), then the kernels, sharding and server files of 45-65 s.
+# Longest first: the files over ~30 s of worker time in a full run on a 2-core CPU with two workers (per-file sums
+# of `--durations=0`, 2026-12-07, after the attention reference gathered each sequence's K/V once a chunk of
+# query rows; the whole suite is ~2,000 worker-seconds): the Gemma 3 270M model (~165), the engine against the
+# dense reference and the backends (~130 each), the notebooks (~110), the two-process runs (~100), FP8 quality
+# and engine and the MoE meshes (~75-80 each), then the attention tilings, bench, GGUF, quantization,
+# completions, sharding, model and kernel files of 30-60 s.
 LONGEST_FIRST = (
+    "tests/models/test_gemma3_270m.py",
     "tests/engine/test_engine.py",
     "tests/models/test_backends.py",
-    "tests/models/test_gemma3_270m.py",
-    "tests/engine/test_fp8.py",
     "tests/test_notebooks.py",
-    "tests/engine/test_quality.py",
-    "tests/engine/test_lazy.py",
-    "tests/server/test_completions.py",
     "tests/distributed/test_multiprocess.py",
+    "tests/engine/test_quality.py",
+    "tests/engine/test_fp8.py",
     "tests/sharding/test_sharded_moe.py",
-    "tests/test_cli.py",
+    "tests/kernels/test_attention_variants.py",
     "tests/test_bench.py",
     "tests/models/test_gguf.py",
-    "tests/kernels/test_attention_variants.py",
     "tests/models/test_quant.py",
-    "tests/kernels/test_ragged_paged_attention.py",
+    "tests/server/test_completions.py",
     "tests/sharding/test_sharded_pallas.py",
-    "tests/server/test_engine_process.py",
     "tests/models/test_llama.py",
+    "tests/kernels/test_ragged_paged_attention.py",
+    "tests/models/test_llama_moe.py",
     "tests/kernels/test_moe.py",
-    "tests/sharding/test_data_parallel.py",
+    "tests/server/test_engine_process.py",
 )
 
 
