@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 
 from jaxserve import kernels as pk
 from jaxserve.kernels import moe
+from jaxserve.models import quant
 
 E = 5
 # (rows, Din, Dout, tiling): Din and Dout cut by their blocks (masked loads and stores), then multiples of them.
@@ -124,7 +125,7 @@ def test_fp8_rhs_float32_bit_for_bit(fused):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(want), err_msg=f"{name}: {sizes.tolist()}")
         # and the dequantized float32 stack through the plain kernel's reference
         np.testing.assert_array_equal(
-            np.asarray(out), np.asarray(reference(lhs, moe.dequantized(values, scale), sizes))
+            np.asarray(out), np.asarray(reference(lhs, quant.dequantized(values, scale), sizes))
         )
 
 
