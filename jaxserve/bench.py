@@ -47,7 +47,9 @@ significant digits.
               "latency_s": {"mean", "p50", "p90", "p99"}, "iteration_latencies_s": [...]
   both, with --lora-adapters N: "lora": {"adapters" (N random adapters on all seven projections, request i served
               with adapter i mod N), "rank", "update_ms" (the median of three `update_lora`s of one adapter with
-              new random weights, the tables awaited)}; null without adapters
+              new random float32 weights in host memory, the tables awaited), "update_device_bf16_ms" (the same
+              from bfloat16 arrays on the device, a trainer's, after one untimed update of that kind)}; null
+              without adapters
 """
 
 from __future__ import annotations
@@ -351,6 +353,7 @@ class LoraSummary:
     adapters: int
     rank: int
     update_ms: float
+    update_device_bf16_ms: float
 
 
 def random_adapter_tensors(
@@ -388,26 +391,35 @@ def random_adapters(llm: LLM, count: int, seed: int, first_id: int = 1) -> list[
     return requests
 
 
-def lora_update_ms(llm: LLM, adapter: LoRARequest, seed: int, repeats: int = 3) -> float:
-    """The median wall time of `update_lora` of one adapter with new random weights (made beforehand), until the
+def lora_update_ms(llm: LLM, adapter: LoRARequest, seed: int, repeats: int = 3, device_bf16: bool = False) -> float:
+    """The median wall time of `update_lora` of one adapter with new random weights (made beforehand: float32 numpy
+    arrays, or with `device_bf16` bfloat16 arrays on the device after one untimed update of that kind), until the
     tables hold them."""
     import jax
+    import jax.numpy as jnp
 
     rank = llm.config.lora.max_lora_rank
     times = []
-    for i in range(repeats):
+    for i in range(repeats + device_bf16):
         tensors = random_adapter_tensors(llm, rank, seed + 1000 + i)
+        if device_bf16:
+            tensors = jax.block_until_ready({k: jnp.asarray(v, jnp.bfloat16) for k, v in tensors.items()})
         start = time.perf_counter()
         llm.update_lora(adapter.lora_name, tensors)
         jax.block_until_ready(llm.engine.runner.weights.lora)
         times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return 1e3 * float(np.median(times[device_bf16:]))
 
 
 def lora_summary(llm: LLM, adapters: Sequence[LoRARequest], seed: int) -> LoraSummary | None:
     if not adapters:
         return None
-    return LoraSummary(len(adapters), llm.config.lora.max_lora_rank, lora_update_ms(llm, adapters[0], seed))
+    return LoraSummary(
+        len(adapters),
+        llm.config.lora.max_lora_rank,
+        lora_update_ms(llm, adapters[0], seed),
+        lora_update_ms(llm, adapters[0], seed, device_bf16=True),
+    )
 
 
 def timed_generate(
@@ -656,7 +668,8 @@ def _lora_lines(lora: LoraSummary | None) -> list[str]:
         return []
     return [
         f"LoRA adapters       {lora.adapters} of rank {lora.rank} on every projection, requests spread over them",
-        f"adapter update      {lora.update_ms:.1f} ms (update_lora of one, median of 3)",
+        f"adapter update      {lora.update_ms:.1f} ms (update_lora of one, median of 3: float32 from host memory),",
+        f"                    {lora.update_device_bf16_ms:.1f} ms (bfloat16 arrays on the device, a trainer's)",
     ]
 
 

@@ -220,7 +220,8 @@ class Engine:
         is refused while a request is unfinished."""
         self._check_open("load_adapter")
         self._lora_config("load_adapter")
-        self.runner.weights.check_adapter(adapter.weights)
+        self.runner.weights.check_adapter(adapter)
+        self.runner.weights.prepare_adapter(adapter)
         if adapter.name in self.adapters:
             self._refuse_while_busy("replacing an adapter")
             slot = self.scheduler.lora_slots.slot_of(adapter.name)

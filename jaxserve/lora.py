@@ -2,9 +2,11 @@
 from PEFT-named arrays in memory (`LoraAdapter`), and which adapter holds which of the engine's slots
 (`LoraSlots`, least recently used first out). The device side is `jaxserve/models/lora.py`.
 
-An adapter is kept as its (layer, module) -> (A [r, in], B [out, r]) float32 pairs in PEFT's layout (lora_A.weight,
-lora_B.weight, as they are: no copy) and its scaling (alpha / r, or alpha / sqrt(r) with rsLoRA): the engine writes
-them into a slot of its tables (transposed, scaled and placed on the device) when a request needs the adapter.
+An adapter is kept as its (layer, module) -> (A, B) pairs as they came, without a copy or a cast on the host: PEFT's
+layout (lora_A.weight [r, in], lora_B.weight [out, r]) or qwix's, transposed (A [in, r], B [r, out]), as float32 or
+bfloat16 numpy arrays (arrays on a device are copied to the host in their dtype; other dtypes are read as float32);
+and its scaling (alpha / r, or alpha / sqrt(r) with rsLoRA). The engine writes them into a slot of its tables
+(transposed where needed, scaled, cast and placed on the device) when a request needs the adapter.
 
 Host policy: no jax here.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 # The modules adapters may target (models/lora.py MODULES): attention's q/k/v/o and the MLP's gate/up/down.
@@ -62,9 +65,9 @@ class LoRARequest:
 
 @dataclass(frozen=True, slots=True)
 class LoraAdapter:
-    """An adapter's weights: (layer, module) -> (A [r, in], B [out, r]) float32 (PEFT's lora_A / lora_B); the
-    scaling its product is multiplied by; its rank; and `version`, which changes whenever its weights do (the
-    prefix cache keys blocks by it)."""
+    """An adapter's weights: (layer, module) -> (A [r, in], B [out, r]) (PEFT's lora_A / lora_B) or, `transposed`,
+    (A [in, r], B [r, out]) (qwix's), float32 or bfloat16; the scaling its product is multiplied by; its rank; and
+    `version`, which changes whenever its weights do (the prefix cache keys blocks by it)."""
 
     name: str
     rank: int
@@ -72,6 +75,26 @@ class LoraAdapter:
     scaling: float = 1.0
     config: dict[str, Any] = field(default_factory=dict)  # its adapter_config (what a later update is read with)
     version: int = 0
+    transposed: bool = False
+
+    def __post_init__(self) -> None:
+        # One dtype for all its arrays (the kind of adapter the engine's slot writes are compiled for): float32
+        # where they differ.
+        if len({array.dtype for pair in self.weights.values() for array in pair}) > 1:
+            for key, (a, b) in self.weights.items():
+                self.weights[key] = (a.astype(np.float32), b.astype(np.float32))
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Its arrays' dtype: float32 or bfloat16."""
+        a, _ = next(iter(self.weights.values()))
+        return a.dtype
+
+    def peft_shapes(self) -> dict[tuple[int, str], tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(layer, module) -> the shapes of A and B in PEFT's layout ([r, in], [out, r]), whatever the stored one."""
+        if not self.transposed:
+            return {key: (a.shape, b.shape) for key, (a, b) in self.weights.items()}
+        return {key: (a.shape[::-1], b.shape[::-1]) for key, (a, b) in self.weights.items()}
 
     @property
     def cache_root(self) -> bytes:
@@ -153,7 +176,7 @@ def from_qwix(name: str, flat: Mapping[str, Any], config: Mapping[str, Any]) -> 
         source = match.group(2)
         if source not in MODULES and source not in _QWIX_EINSUMS:
             raise ValueError(f"LoRA adapter {name!r}: {key} targets {source}; adapters may target {list(MODULES)}")
-        pairs[(int(match.group(1)), source)][match.group(3)] = np.asarray(value, np.float32)
+        pairs[(int(match.group(1)), source)][match.group(3)] = host_array(value)
     weights, ranks = {}, set()
     for (layer, source), halves in sorted(pairs.items()):
         if set(halves) != {"a", "b"}:
@@ -165,16 +188,16 @@ def from_qwix(name: str, flat: Mapping[str, Any], config: Mapping[str, Any]) -> 
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {source}: lora_a {a.shape}, lora_b {b.shape}")
         ranks.add(rank)
         parts = [b] if len(modules) == 1 else [b[:, i] for i in range(len(modules))]
-        for module, part in zip(modules, parts, strict=True):  # views in PEFT's layout
+        for module, part in zip(modules, parts, strict=True):  # qwix's layout, 2-D: [in, r] and [r, out]
             if (layer, module) in weights:
                 raise ValueError(f"LoRA adapter {name!r}: two qwix parameters of layer {layer} hold {module}")
-            weights[(layer, module)] = (a.reshape(-1, rank).T, part.reshape(rank, -1).T)
+            weights[(layer, module)] = (a.reshape(-1, rank), part.reshape(rank, -1))
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} holds no qwix LoRA parameters")
     if len(ranks) > 1:
         raise ValueError(f"LoRA adapter {name!r}: its modules have ranks {sorted(ranks)}; one rank is served")
     (rank,) = ranks
-    return LoraAdapter(name, rank, weights, alpha / rank, {"lora_alpha": alpha})
+    return LoraAdapter(name, rank, weights, alpha / rank, {"lora_alpha": alpha}, transposed=True)
 
 
 def read_peft_dir(name: str, path: str | os.PathLike) -> LoraAdapter:
@@ -209,7 +232,7 @@ def from_peft(name: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) 
         layer, module, half = int(match.group(1)), match.group(2), match.group(3)
         if module not in MODULES:
             raise ValueError(f"LoRA adapter {name!r}: {key} targets {module}; adapters may target {list(MODULES)}")
-        pairs[(layer, module)][half] = np.asarray(value, np.float32)
+        pairs[(layer, module)][half] = host_array(value)
     weights = {}
     for (layer, module), halves in sorted(pairs.items()):
         if set(halves) != {"A", "B"}:
@@ -224,6 +247,18 @@ def from_peft(name: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) 
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} holds no lora_A / lora_B weights")
     return LoraAdapter(name, rank, weights, scaling, config)
+
+
+def host_array(value: Any) -> np.ndarray:
+    """An adapter tensor as a numpy array in its own dtype when that is float32 or bfloat16 (a jax array on a device
+    is copied to the host as it is: no cast there, where it is slow), as float32 otherwise."""
+    array = np.asarray(value)
+    if array.dtype not in _KEPT_DTYPES:
+        array = array.astype(np.float32)
+    return array
+
+
+_KEPT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 
 
 def _config_dict(config: Any) -> dict[str, Any]:

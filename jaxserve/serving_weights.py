@@ -55,19 +55,26 @@ class ServingWeights:
         self._lora_writer = lora.LoraTableWriter(lora.module_sites(plain_specs), shardings, spec.lora.max_lora_rank)
         self.lora = self._lora_writer.warm(self.lora)
 
-    def check_adapter(self, adapter_weights: Any) -> None:
+    def check_adapter(self, adapter: LoraAdapter) -> None:
         """ValueError unless an adapter's (layer, module) -> (A, B) weights fit the model and the tables
         (`lora.check_adapter`)."""
         writer = self._lora_writer
-        lora.check_adapter(adapter_weights, writer.sites, writer.max_rank)
+        lora.check_adapter(adapter.peft_shapes(), writer.sites, writer.max_rank)
+
+    def prepare_adapter(self, adapter: LoraAdapter) -> None:
+        """Compiles the slot writes for an adapter's kind (dtype and layout) unless compiled before (float32 in
+        PEFT's layout at start): its writes, and those of every later adapter of its kind, compile nothing."""
+        self.lora = self._lora_writer.prepare(self.lora, adapter.dtype, transposed=adapter.transposed)
 
     def write_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
-        """Writes an adapter (None: zeros, no adapter) into one slot of the tables; compiles nothing for a rank
-        written before (the tables' own at start)."""
+        """Writes an adapter (None: zeros, no adapter) into one slot of the tables; compiles nothing for an adapter
+        prepared (`prepare_adapter`)."""
         if adapter is None:
             self.lora = self._lora_writer.write(self.lora, slot, None)
         else:
-            self.lora = self._lora_writer.write(self.lora, slot, adapter.weights, adapter.scaling)
+            self.lora = self._lora_writer.write(
+                self.lora, slot, adapter.weights, adapter.scaling, transposed=adapter.transposed
+            )
 
     @property
     def step_weights(self) -> StepWeights:

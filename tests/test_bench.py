@@ -316,9 +316,15 @@ def test_the_latency_report_and_its_json_keys():
     assert record["iteration_latencies_s"] == [0.123457, 0.2, 0.3]  # 6 significant digits
     assert set(record["latency_s"]) == PERCENTILE_KEYS and set(record["engine"]) == ENGINE_KEYS
     assert record["lora"] is None
-    with_lora = dataclasses.replace(result, lora=bench.LoraSummary(4, 16, 12.5))
-    assert "LoRA adapters       4 of rank 16" in bench.report(with_lora) and "12.5 ms" in bench.report(with_lora)
-    assert json.loads(bench.to_json(with_lora))["lora"] == {"adapters": 4, "rank": 16, "update_ms": 12.5}
+    with_lora = dataclasses.replace(result, lora=bench.LoraSummary(4, 16, 12.5, 7.25))
+    assert "LoRA adapters       4 of rank 16" in bench.report(with_lora)
+    assert "12.5 ms" in bench.report(with_lora) and "7.2 ms" in bench.report(with_lora)
+    assert json.loads(bench.to_json(with_lora))["lora"] == {
+        "adapters": 4,
+        "rank": 16,
+        "update_ms": 12.5,
+        "update_device_bf16_ms": 7.25,
+    }
 
 
 # ---- the command line ---------------------------------------------------------------------------

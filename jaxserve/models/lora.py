@@ -19,8 +19,10 @@ wraps each targeted weight of the step's layers in a `LoraLinear` with the one-h
     xa = einsum(x, a)            [T, S, P*R]   every slot's A for every token (S*P*R columns: a thin GEMM)
     delta = einsum(xa * onehot, b)              each token keeps its own slot's columns, then one GEMM with B
 
-Writing a slot (`LoraTableWriter`) is one jitted update per module (its A and B sent as they are, placed on the
-device), compiled once per module shape at start: loading, replacing or unloading an adapter compiles nothing.
+Writing a slot (`LoraTableWriter`) is one jitted update per module (its A and B sent as they are: float32 or
+bfloat16, PEFT's layout or qwix's transposed one; transposed, scaled and cast on the device), compiled per module
+shape at start for float32 PEFT adapters, and for another dtype or layout when the first adapter in it is loaded:
+replacing or unloading an adapter, and serving it, compile nothing.
 
 Legend beyond docs' (STYLE.md): S adapter slots, R the table's rank, P the modules a fused linear holds.
 """
@@ -161,12 +163,14 @@ def _out_width(name: str, module: str, out_shape: tuple[int, ...]) -> int:
 
 
 def check_adapter(
-    adapter_weights: dict[tuple[int, str], tuple[Any, Any]], sites: dict[tuple[int, str], ModuleSite], max_rank: int
+    shapes: dict[tuple[int, str], tuple[tuple[int, ...], tuple[int, ...]]],
+    sites: dict[tuple[int, str], ModuleSite],
+    max_rank: int,
 ) -> None:
-    """ValueError unless every (layer, module) -> (A [r, in], B [out, r]) of an adapter has a site in the model, a
-    rank <= max_rank and the model's shapes."""
+    """ValueError unless every (layer, module) -> the shapes of its A [r, in] and B [out, r] (PEFT's layout) of an
+    adapter has a site in the model, a rank <= max_rank and the model's shapes."""
     num_layers = 1 + max((layer for layer, _ in sites), default=-1)
-    for (layer, module), (a, b) in sorted(adapter_weights.items()):
+    for (layer, module), (a_shape, b_shape) in sorted(shapes.items()):
         site = sites.get((layer, module))
         if site is None:
             where = "a layer the model lacks" if layer >= num_layers else "a projection adapters cannot target here"
@@ -174,13 +178,13 @@ def check_adapter(
                 f"the adapter targets layer {layer} {module}: {where} (the model has {num_layers} layers; adapters "
                 f"target {sorted({m for _, m in sites})})"
             )
-        rank = a.shape[0]
+        rank = a_shape[0]
         if rank > max_rank:
             raise ValueError(f"layer {layer} {module}: rank {rank} is above max_lora_rank {max_rank}")
         inputs = int(np.prod(site.in_shape))
-        if a.shape[1] != inputs or b.shape != (site.out_width, rank):
+        if tuple(a_shape) != (rank, inputs) or tuple(b_shape) != (site.out_width, rank):
             raise ValueError(
-                f"layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} (as [r, in] and "
+                f"layer {layer} {module}: lora_A {tuple(a_shape)} and lora_B {tuple(b_shape)} (as [r, in] and "
                 f"[out, r]), the model's {module} takes {inputs} inputs to {site.out_width} outputs: the adapter is "
                 "for another base model"
             )
@@ -189,19 +193,21 @@ def check_adapter(
 def _write_module(
     table: LoraTable,
     slot: Int[Array, ""],
-    a: Float[Array, "r I"],
-    b: Float[Array, "O r"],
+    a: Float[Array, "r I"] | Float[Array, "I r"],
+    b: Float[Array, "O r"] | Float[Array, "r O"],
     scaling: Float[Array, ""],
     *,
     site: ModuleSite,
+    transposed: bool,
 ) -> LoraTable:
-    """The table with one module's A [R, in] and B [out, R] (PEFT's layout, padded to the table's rank R) in
-    `slot`: A transposed into its part's columns of a; B transposed, scaled and placed at the module's outputs of the
-    fused layout in its part's rows of b (zeros at the other modules' outputs)."""
+    """The table with one module's A [R, in] and B [out, R] (PEFT's layout; `transposed`: A [in, R], B [R, out],
+    qwix's), padded to the table's rank R, in `slot`: A into its part's columns of a; B scaled and placed at the
+    module's outputs of the fused layout in its part's rows of b (zeros at the other modules' outputs)."""
     rank = table.a.shape[-1] // site.num_parts
     part = slice(site.part * rank, (site.part + 1) * rank)
-    a = a.astype(jnp.float32).T.reshape(*site.in_shape, rank)
-    b = (b.astype(jnp.float32) * scaling).T  # [R, out]
+    a, b = (a, b) if transposed else (a.T, b.T)  # [in, R], [R, out]
+    a = a.astype(jnp.float32).reshape(*site.in_shape, rank)
+    b = b.astype(jnp.float32) * scaling
     out_shape = table.b.shape[2:]
     placed = jnp.zeros((rank, *out_shape), jnp.float32)
     if site.field == "wqkv":
@@ -224,24 +230,37 @@ def _write_module(
 class LoraTableWriter:
     """Writes adapters into the slots of every layer's tables, one module at a time (each a jitted update of its
     layer's table, the old one donated): a few hundred small calls for a large model, sending only the adapter's
-    own bytes, transposed, scaled and placed on the device (an adapter of a rank below the tables' is padded on the
-    host first). The updates compile once per module shape, at start (`warm`): loading, replacing or unloading an
-    adapter compiles nothing. Tracks which modules each slot holds, so that an adapter replacing another in a slot
-    zeroes the modules it does not target."""
+    own bytes in their own dtype and layout, transposed, scaled and cast on the device (an adapter of a rank below
+    the tables' is padded on the host first). The updates compile once per module shape and kind of adapter (dtype,
+    layout): float32 PEFT at start (`warm`), another kind when its first adapter is loaded (`prepare`); writing an
+    adapter of a kind prepared before compiles nothing. Tracks which modules each slot holds, so that an adapter
+    replacing another in a slot zeroes the modules it does not target."""
 
     def __init__(self, sites: dict[tuple[int, str], ModuleSite], shardings: Any, max_rank: int) -> None:
         self.sites, self.max_rank = sites, max_rank
         self._shardings = shardings  # per layer: field -> LoraTable of NamedSharding
         self._jitted: dict[Any, Any] = {}
         self._held: dict[int, set[tuple[int, str]]] = {}  # slot -> the (layer, module)s written non-zero
+        self._prepared: set[tuple[np.dtype, bool]] = set()  # the kinds of adapter (dtype, transposed) compiled for
 
     def warm(self, tables: tuple[dict[str, LoraTable], ...]) -> tuple[dict[str, LoraTable], ...]:
-        """Compiles every distinct module update by writing zeros into slot 0 (the base model's, zeros already)."""
+        """Compiles every distinct module update for float32 adapters in PEFT's layout (by writing zeros into slot 0,
+        the base model's, zeros already)."""
+        return self.prepare(tables, np.dtype(np.float32), transposed=False)
+
+    def prepare(
+        self, tables: tuple[dict[str, LoraTable], ...], dtype: np.dtype, *, transposed: bool
+    ) -> tuple[dict[str, LoraTable], ...]:
+        """Compiles the module updates for adapters of `dtype` in a layout (nothing if compiled before), by writing
+        zeros of that kind into slot 0."""
+        if (dtype, transposed) in self._prepared:
+            return tables
         seen = set()
         for key, site in self.sites.items():
             if (site.field, site.part, site.module) not in seen:
                 seen.add((site.field, site.part, site.module))
-                tables = self._write(tables, key, 0, None, 1.0)
+                tables = self._write(tables, key, 0, self._zeros(site, dtype, transposed), 1.0, transposed)
+        self._prepared.add((dtype, transposed))
         return tables
 
     def write(
@@ -250,38 +269,49 @@ class LoraTableWriter:
         slot: int,
         weights: dict[tuple[int, str], tuple[Any, Any]] | None,
         scaling: float = 1.0,
+        *,
+        transposed: bool = False,
     ) -> tuple[dict[str, LoraTable], ...]:
-        """`tables` with `slot` holding an adapter's (layer, module) -> (A [r, in], B [out, r]) weights times
-        `scaling` (None: no adapter, all zeros), checked by `check_adapter` beforehand."""
+        """`tables` with `slot` holding an adapter's (layer, module) -> (A [r, in], B [out, r]) weights (`transposed`:
+        A [in, r], B [r, out]) times `scaling` (None: no adapter, all zeros), checked by `check_adapter` beforehand."""
         weights = weights or {}
         stale = self._held.get(slot, set()) - set(weights)
         for key, pair in weights.items():
-            tables = self._write(tables, key, slot, pair, scaling)
+            tables = self._write(tables, key, slot, pair, scaling, transposed)
         for key in stale:
-            tables = self._write(tables, key, slot, None, scaling)
+            tables = self._write(tables, key, slot, self._zeros(self.sites[key], np.float32, False), scaling, False)
         self._held[slot] = set(weights)
         return tables
 
-    def _write(self, tables: Any, key: tuple[int, str], slot: int, pair: Any, scaling: float) -> Any:
+    def _zeros(self, site: ModuleSite, dtype: Any, transposed: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Zero A and B of the tables' rank for a module, in a dtype and layout (each contiguous)."""
+        a_shape, b_shape = (self.max_rank, int(np.prod(site.in_shape))), (site.out_width, self.max_rank)
+        if transposed:
+            a_shape, b_shape = a_shape[::-1], b_shape[::-1]
+        return np.zeros(a_shape, dtype), np.zeros(b_shape, dtype)
+
+    def _write(self, tables: Any, key: tuple[int, str], slot: int, pair: Any, scaling: float, transposed: bool) -> Any:
         site = self.sites[key]
-        rank = 0 if pair is None else pair[0].shape[0]
-        # Padded to the tables' rank on the host: every write runs the update compiled at start.
+        a, b = pair
+        rank = a.shape[-1] if transposed else a.shape[0]
+        # Padded to the tables' rank on the host: every write of a kind runs the update compiled for it.
         if rank < self.max_rank:
-            a = np.zeros((self.max_rank, int(np.prod(site.in_shape))), np.float32)
-            b = np.zeros((site.out_width, self.max_rank), np.float32)
-            if pair is not None:
-                a[:rank], b[:, :rank] = pair
-            pair = (a, b)
+            padded_a, padded_b = self._zeros(site, a.dtype, transposed)
+            if transposed:
+                padded_a[:, :rank], padded_b[:rank] = a, b
+            else:
+                padded_a[:rank], padded_b[:, :rank] = a, b
+            a, b = padded_a, padded_b
         layer = tables[site.layer]
-        updated = self._jit(site)(layer[site.field], np.int32(slot), *pair, np.float32(scaling))
+        updated = self._jit(site, transposed)(layer[site.field], np.int32(slot), a, b, np.float32(scaling))
         return (*tables[: site.layer], {**layer, site.field: updated}, *tables[site.layer + 1 :])
 
-    def _jit(self, site: ModuleSite) -> Any:
+    def _jit(self, site: ModuleSite, transposed: bool) -> Any:
         shardings = self._shardings[site.layer][site.field]
-        key = (site.field, site.part, site.module, site.in_shape, site.out_width, shardings)
+        key = (site.field, site.part, site.module, site.in_shape, site.out_width, shardings, transposed)
         if key not in self._jitted:
             self._jitted[key] = jax.jit(
-                partial(_write_module, site=dataclasses.replace(site, layer=0)),
+                partial(_write_module, site=dataclasses.replace(site, layer=0), transposed=transposed),
                 donate_argnames=("table",),
                 out_shardings=shardings,
             )
