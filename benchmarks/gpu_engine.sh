@@ -18,7 +18,9 @@
 #   bash benchmarks/gpu_engine.sh lora        # batch 1 and 1024 x 128/128 without and with 4 random rank-16 adapters
 #                                             # on all seven projections (requests spread over them), then the update
 #                                             # of one rank-64 adapter (bench's lora.update_ms; NO_UPDATE=1: not),
-#                                             # one 10-minute call; lora_update: the update alone
+#                                             # one 10-minute call; lora_update: the update alone;
+#                                             # lora_profile: step_profile.py of batch 1 and 32, without and with
+#                                             # 4 rank-16 adapter slots
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -124,6 +126,13 @@ case "${1:-}" in
     [ -z "${NO_UPDATE:-}" ] && bench_run latency_b1_lora_r64 70 latency --random-weights $MODEL --batch-size 1 \
       --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
     ;;
+  lora_profile)  # the batch-1 and batch-32 decode steps kernel by kernel, without and with 4 rank-16 adapter slots
+    P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)
+    for b in 1 32; do
+      profile_run b${b}_c192 150 "${P[@]}" --batch $b
+      profile_run b${b}_c192_lora4 150 "${P[@]}" --batch $b --lora-adapters 4 --max-lora-rank 16
+    done
+    ;;
   lora_update)  # one rank-64 adapter on all seven projections: its update_lora time (lora.update_ms)
     bench_run latency_b1_lora_r64 200 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
     ;;
@@ -168,5 +177,5 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|fp8_gemm|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|fp8_gemm|lora|lora_update|lora_profile|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac

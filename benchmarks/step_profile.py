@@ -63,7 +63,7 @@ import numpy as np
 from common import LLAMA_3_1_8B, SMOLLM2_135M
 
 from jaxserve.buckets import Bucket
-from jaxserve.config import CompileConfig, EngineConfig
+from jaxserve.config import CompileConfig, EngineConfig, LoraConfig
 from jaxserve.models import registry
 from jaxserve.models.common import ParamSpec
 from jaxserve.request import Request
@@ -169,6 +169,8 @@ def parse_args() -> argparse.Namespace:
     add("--traced", type=int, default=5, help="calls under the profiler")
     add("--bandwidth", type=float, default=None, help="TB/s for the floors (default: measured on GPU)")
     add("--matmul-tflops", type=float, default=None, help="TFLOP/s for the floors (default: measured on GPU)")
+    add("--lora-adapters", type=int, default=0, help="N adapter slots (tables of zeros); row i uses slot 1 + i % N")
+    add("--max-lora-rank", type=int, default=16)
     add("--top", type=int, default=25)
     add("--out", default="step_profile.csv")
     add("--trace-dir", default=None, help="default: next to --out")
@@ -194,12 +196,20 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
         token_buckets=(tokens,),
         penalty_variants=False,
     )
+    lora = LoraConfig(args.lora_adapters, args.max_lora_rank) if args.lora_adapters else None
     config = EngineConfig(
-        args.batch, tokens, args.max_seq_len, compile=compile_config, attention_backend=args.backend, dtype=args.dtype
+        args.batch,
+        tokens,
+        args.max_seq_len,
+        compile=compile_config,
+        attention_backend=args.backend,
+        dtype=args.dtype,
+        lora=lora,
     )
     steps = StepConfig.from_config(config, cfg.vocab_size)
     backend = resolve_backend(config.attention_backend)
-    runner = Runner(RunnerSpec(family, cfg, steps, jnp.dtype(args.dtype), backend, MAX_LOGPROBS), weights)
+    spec = RunnerSpec(family, cfg, steps, jnp.dtype(args.dtype), backend, MAX_LOGPROBS, lora=lora)
+    runner = Runner(spec, weights)
     num_blocks = 1 + args.batch * -(-(args.context + 1) // steps.buckets.block_size)
     seconds = runner.start(num_blocks, show_progress=False)
     print(
@@ -208,9 +218,12 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
     return runner
 
 
-def _rows(n: int, start: int, num_tokens: int, steps: StepConfig, params: SamplingParams) -> list[ScheduledRow]:
+def _rows(
+    n: int, start: int, num_tokens: int, steps: StepConfig, params: SamplingParams, adapters: int = 0
+) -> list[ScheduledRow]:
     """n rows over distinct blocks of a seeded permutation of the pool: decode rows (start = C, one
-    token, input pending) of C-token prompts, or prefill rows (start 0) of num_tokens-token prompts."""
+    token, input pending) of C-token prompts, or prefill rows (start 0) of num_tokens-token prompts. With
+    `adapters` slots, row i uses slot 1 + i % adapters."""
     rng = np.random.default_rng(n * 1009 + start)
     decode = start > 0
     per_row = -(-(start + num_tokens) // steps.buckets.block_size)
@@ -219,6 +232,8 @@ def _rows(n: int, start: int, num_tokens: int, steps: StepConfig, params: Sampli
     for i in range(n):
         prompt = rng.integers(1, min(steps.vocab_size, 32000), start if decode else num_tokens).tolist()
         request = Request(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params)
+        if adapters:
+            request.lora_slot = 1 + i % adapters
         known = [] if decode else request.token_ids
         block_ids = array("i", blocks[i].tolist())
         row = dict(request=request, start=start, num_tokens=num_tokens, token_ids=known, block_ids=block_ids)
@@ -227,8 +242,8 @@ def _rows(n: int, start: int, num_tokens: int, steps: StepConfig, params: Sampli
     return rows
 
 
-def decode_workload(steps: StepConfig, batch: int, context: int, params: SamplingParams) -> Workload:
-    scheduled = ScheduledBatch(rows=_rows(batch, context, 1, steps, params))
+def decode_workload(steps: StepConfig, batch: int, context: int, params: SamplingParams, adapters: int) -> Workload:
+    scheduled = ScheduledBatch(rows=_rows(batch, context, 1, steps, params, adapters))
     # The previous step sampled these same rows: row b's pending token is row b's sample.
     inputs, bucket, _ = make_step_inputs(scheduled, scheduled, steps)
     if (bucket.num_tokens, bucket.num_seqs, bucket.decode_only) != (batch, batch, True):
@@ -236,9 +251,11 @@ def decode_workload(steps: StepConfig, batch: int, context: int, params: Samplin
     return Workload(f"decode B={batch} C={context}", inputs, bucket, np.ones(batch), np.full(batch, context + 1))
 
 
-def prefill_workload(steps: StepConfig, tokens: int, batch: int, context: int, params: SamplingParams) -> Workload:
+def prefill_workload(
+    steps: StepConfig, tokens: int, batch: int, context: int, params: SamplingParams, adapters: int
+) -> Workload:
     n = min(batch, tokens // context)
-    scheduled = ScheduledBatch(rows=_rows(n, 0, context, steps, params), num_prefill_rows=n)
+    scheduled = ScheduledBatch(rows=_rows(n, 0, context, steps, params, adapters), num_prefill_rows=n)
     inputs, bucket, _ = make_step_inputs(scheduled, None, steps)
     lens = np.full(n, context)
     return Workload(f"prefill T={bucket.num_tokens} {n}x{context}", inputs, bucket, lens, lens)
@@ -536,7 +553,8 @@ def profile_step(runner: Runner, work: Workload, variant: str, layers: str, args
     events, rule = device_events(traced, jax.default_backend())
     busy, span = busy_and_span_us(events)
     forward, sampler = runner.table.lookup(work.bucket, step_variant)
-    hlo = hlo_counts(forward.as_text() + "\n" + sampler.as_text(), *args.weight_shapes)
+    texts = [executable.as_text() for executable in (forward, sampler) if executable is not None]  # greedy: no sampler
+    hlo = hlo_counts("\n".join(texts), *args.weight_shapes)
     leading = {int(f.split(",")[0]) for f in args.weight_shapes[0] if f.count(",") == 1}
     if {work.bucket.num_tokens, work.bucket.num_seqs} & leading:
         hlo["note"] = f"T or B is a weight dimension ({sorted(leading)}): activations may be counted as slices"
@@ -643,9 +661,9 @@ def main() -> None:
     runner = build_runner(args, family, cfg, weights)
     del weights  # the runner holds them
     steps, params = runner.spec.steps, SamplingParams(temperature=args.temperature)
-    works = [decode_workload(steps, args.batch, args.context, params)]
+    works = [decode_workload(steps, args.batch, args.context, params, args.lora_adapters)]
     if args.prefill:
-        works.append(prefill_workload(steps, args.prefill, args.batch, args.context, params))
+        works.append(prefill_workload(steps, args.prefill, args.batch, args.context, params, args.lora_adapters))
     specs = family.param_specs(cfg)
     args.weight_shapes = weight_shapes(specs)
     costs = {w.name: step_costs(cfg, specs, w, jnp.dtype(args.dtype).itemsize) for w in works}
