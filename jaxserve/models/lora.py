@@ -5,7 +5,8 @@ A serving layer declares which checkpoint modules each of its linears holds, `LO
 q/k/v, wo -> o, w_gate_up -> gate/up, w_down -> down; an MoE layer its attention's only). For a linear [*in, *out]
 holding P modules the table is a pair (`LoraTable`):
 
-    a [S, *in, P*R]   module p's A in columns p*R : (p+1)*R
+    a [*in, S, P*R]   module p's A in columns p*R : (p+1)*R (the slots after the inputs: x @ a is one plain GEMM of
+                      S*P*R columns, no copy of the table to make its columns contiguous)
     b [S, P*R, *out]  module p's B in rows p*R : (p+1)*R, at that module's place in the fused output (zeros elsewhere)
 
 S = max_loras + 1 slots: slot 0 is the base model (all zeros), adapters take slots 1..max_loras. R =
@@ -16,7 +17,7 @@ A step's tokens each name their request's slot (`StepInputs.lora_slots`, 0 for b
 wraps each targeted weight of the step's layers in a `LoraLinear` with the one-hot of those slots, and
 `quant.linear` adds `lora_delta` to the base product:
 
-    xa = einsum(x, a)            [T, S, P*R]   every slot's A for every token (S*P*R columns: a thin GEMM)
+    xa = einsum(x, a)            [T, S, P*R]   every slot's A for every token (S*P*R columns: one thin GEMM)
     delta = einsum(xa * onehot, b)              each token keeps its own slot's columns, then one GEMM with B
 
 Writing a slot (`LoraTableWriter`) is one jitted update per module (its A and B sent as they are: float32 or
@@ -46,7 +47,7 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
 class LoraTable:
-    """One linear's adapter slots: a [S, *in, P*R], b [S, P*R, *out] (module docstring)."""
+    """One linear's adapter slots: a [*in, S, P*R], b [S, P*R, *out] (module docstring)."""
 
     a: Array
     b: Array
@@ -64,17 +65,17 @@ class LoraLinear:
     onehot: Float[Array, "T S"]
 
 
-def lora_delta(spec: str, x: Array, w: LoraLinear) -> Array:
-    """The adapters' share of einsum(spec, x, base) for each token of x (its slot's x @ A @ B), in x's dtype."""
-    inputs, out = spec.split("->")
-    x_axes, w_axes = inputs.split(",")
+def lora_delta(x: Array, w: LoraLinear) -> Array:
+    """The adapters' share of `quant.linear`'s product of x and the base weight for each token of x (its slot's
+    x @ A @ B), in x's dtype: x's trailing axes contracted with a's leading ones, in their stored order (dot_general,
+    not an einsum, which orders contracted axes by letter: XLA:CPU then copies the operand into that order)."""
     num_in = w.a.ndim - 2
-    w_in, w_out = w_axes[:num_in], w_axes[num_in:]
-    rows = x_axes[: len(x_axes) - num_in]
-    s, r = [c for c in "zyxwvu" if c not in spec][:2]  # two letters the spec does not use: slots, rank
-    xa = jnp.einsum(f"{x_axes},{s}{w_in}{r}->{rows}{s}{r}", x, w.a, preferred_element_type=jnp.float32)
+    rows = x.ndim - num_in
+    x_in, a_in = tuple(range(rows, x.ndim)), tuple(range(num_in))
+    xa = jax.lax.dot_general(x, w.a, ((x_in, a_in), ((), ())), preferred_element_type=jnp.float32)  # [T, S, P*R]
     xa = (xa * w.onehot[..., None]).astype(x.dtype)
-    return jnp.einsum(f"{rows}{s}{r},{s}{r}{w_out}->{out}", xa, w.b, preferred_element_type=jnp.float32).astype(x.dtype)
+    slots_and_rank = ((rows, rows + 1), (0, 1))
+    return jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def bind(weights: Any, tables: tuple[dict[str, LoraTable], ...], slots: Int[Array, " T"]) -> Any:
@@ -92,7 +93,7 @@ def bind(weights: Any, tables: tuple[dict[str, LoraTable], ...], slots: Int[Arra
 def _num_slots(tables: tuple[dict[str, LoraTable], ...]) -> int:
     for table in tables:
         for t in table.values():
-            return t.a.shape[0]
+            return t.b.shape[0]
     raise ValueError("the adapter tables target no linear of any layer")
 
 
@@ -103,7 +104,7 @@ def layer_modules(layer_class: type) -> dict[str, tuple[str, ...]]:
 
 def table_specs(serving_specs: Any, max_loras: int, max_rank: int) -> tuple[dict[str, Any], ...]:
     """The ParamSpecs of every layer's tables (a tree parallel to the tables), from the family's serving specs: a
-    [S, *in, P*R] with axes ("lora", *in axes, None), b [S, P*R, *out] with ("lora", None, *out axes): the
+    [*in, S, P*R] with axes (*in axes, "lora", None), b [S, P*R, *out] with ("lora", None, *out axes): the
     rules table splits A's inputs and B's outputs as it splits the weight's."""
     from jaxserve.models.common import ParamSpec  # common imports quant, which imports this module
 
@@ -115,7 +116,7 @@ def table_specs(serving_specs: Any, max_loras: int, max_rank: int) -> tuple[dict
             spec, num_in = getattr(layer, name), type(layer).LINEARS[name]
             cols = len(modules) * max_rank
             table[name] = LoraTable(
-                a=ParamSpec((slots, *spec.shape[:num_in], cols), ("lora", *spec.logical_axes[:num_in], None)),
+                a=ParamSpec((*spec.shape[:num_in], slots, cols), (*spec.logical_axes[:num_in], "lora", None)),
                 b=ParamSpec((slots, cols, *spec.shape[num_in:]), ("lora", None, *spec.logical_axes[num_in:])),
             )
         layers.append(table)
@@ -222,7 +223,7 @@ def _write_module(
     else:
         placed = b.reshape(rank, *out_shape)
     return LoraTable(
-        table.a.at[slot, ..., part].set(a.astype(table.a.dtype)),
+        table.a.at[..., slot, part].set(a.astype(table.a.dtype)),
         table.b.at[slot, part].set(placed.astype(table.b.dtype)),
     )
 

@@ -139,7 +139,7 @@ def linear(spec: str, x: Array, w: Array | Fp8Weight | LoraLinear, out_dtype: An
     contracted on its stored values' trailing axes in order (dot_general with no transpose of either operand:
     XLA hands both to the GEMM as they lie)."""
     if isinstance(w, LoraLinear):
-        return (linear(spec, x, w.base, out_dtype) + lora_delta(spec, x, w)).astype(out_dtype or x.dtype)
+        return (linear(spec, x, w.base, out_dtype) + lora_delta(x, w)).astype(out_dtype or x.dtype)
     if not isinstance(w, Fp8Weight):
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     num_in = w.num_in_axes

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -149,6 +150,23 @@ def test_prefix_cached_under_one_adapter_is_not_a_hit_for_another(saved, llm):
         assert run("qv")[1] == 0
     finally:
         llm.update_lora("qv", str(root / "qv"))
+
+
+def test_no_compiled_forward_copies_an_adapter_table(llm):
+    """Every step reads the tables as they are stored: x @ a is one GEMM over the table's columns (a [*in, S, P*R]),
+    with no copy or transpose of a table into another layout on every step (a [S, *in, P*R] made XLA copy it)."""
+    import itertools
+
+    tables = jax.tree.leaves(llm.engine.runner.weights.lora)
+    shapes = {",".join(map(str, p)) for t in tables for p in itertools.permutations(t.shape) if p != t.shape}
+    shapes |= {",".join(map(str, t.shape)) for t in tables}
+    moved = re.compile(r"= \w+\[([0-9,]+)\]\S* (?:copy|transpose)\(")
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)  # compiles the steps it takes (the table is lazy)
+    forwards = llm.engine.runner.table.forwards
+    assert forwards
+    for (bucket, _), forward in forwards.items():
+        copied = [m.group(1) for m in map(moved.search, forward.as_text().splitlines()) if m]
+        assert not shapes & set(copied), f"T={bucket.num_tokens} copies an adapter table: {shapes & set(copied)}"
 
 
 def _tensors_and_config(directory) -> tuple[dict, dict]:

@@ -80,7 +80,11 @@ def _qwix_tree(peft_tensors: dict[str, np.ndarray], to_device: bool) -> dict[str
 
 
 def _slot(tables, slot: int) -> list[np.ndarray]:
-    return [np.asarray(x[slot], np.float32) for x in jax.tree.leaves(tables)]
+    """One slot of every table: a [*in, S, P*R] and b [S, P*R, *out]."""
+    out = []
+    for table in jax.tree.leaves(tables, is_leaf=lambda x: isinstance(x, lora.LoraTable)):
+        out += [np.asarray(table.a[..., slot, :], np.float32), np.asarray(table.b[slot], np.float32)]
+    return out
 
 
 def test_every_kind_of_adapter_writes_the_same_tables(setup, record_compiles):

@@ -81,8 +81,8 @@ def test_fp8_engine_with_adapters_on_a_tp2_mesh_gives_one_devices_tokens(run_wit
     assert result["shards"]["2"][3] > 0, "the pool was meant to force preemption"
     # The FP8 lm_head (values [V, D], scale [V]) split over the vocabulary, its scale with its rows.
     assert result["shards"]["2"][4] == [[80, 64], [80]] and result["shards"]["1"][4] == [[160, 64], [160]]
-    # 3 slots; wqkv's b [S, 3R, K, G+2, Dh] over its 4 kv heads, wo's a [S, H, Dh, R] over its 8 heads, gate/up's b
-    # [S, 2R, 2, F] and down's a [S, F, R] over the MLP hidden; the adapter moves the first prompt's tokens.
-    assert result["shards"]["2"][5] == [[3, 24, 2, 4, 8], [3, 4, 8, 8], [3, 16, 2, 64], [3, 64, 8]]
-    assert result["shards"]["1"][5] == [[3, 24, 4, 4, 8], [3, 8, 8, 8], [3, 16, 2, 128], [3, 128, 8]]
+    # 3 slots; wqkv's b [S, 3R, K, G+2, Dh] over its 4 kv heads, wo's a [H, Dh, S, R] over its 8 heads, gate/up's b
+    # [S, 2R, 2, F] and down's a [F, S, R] over the MLP hidden; the adapter moves the first prompt's tokens.
+    assert result["shards"]["2"][5] == [[3, 24, 2, 4, 8], [4, 8, 3, 8], [3, 16, 2, 64], [64, 3, 8]]
+    assert result["shards"]["1"][5] == [[3, 24, 4, 4, 8], [8, 8, 3, 8], [3, 16, 2, 128], [128, 3, 8]]
     assert result["shards"]["1"][6] and result["shards"]["2"][6]
