@@ -20,7 +20,8 @@
 #                                             # of one rank-64 adapter (bench's lora.update_ms; NO_UPDATE=1: not),
 #                                             # one 10-minute call; lora_update: the update alone;
 #                                             # lora_profile: step_profile.py of batch 1 and 32, without and with
-#                                             # 4 rank-16 adapter slots
+#                                             # 4 rank-16 adapter slots; lora_b1: the batch-1 bench with adapters
+#                                             # and its step's profile
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -120,11 +121,17 @@ case "${1:-}" in
     T=(throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128)
     B1=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
     bench_run latency_b1_base 80 "${B1[@]}"
-    bench_run latency_b1_lora4 80 "${B1[@]}" --lora-adapters 4 --max-lora-rank 16
+    bench_run latency_b1_lora4 170 "${B1[@]}" --lora-adapters 4 --max-lora-rank 16
     bench_run t1024_base 140 "${T[@]}"
     bench_run t1024_lora4 160 "${T[@]}" --lora-adapters 4 --max-lora-rank 16
     [ -z "${NO_UPDATE:-}" ] && bench_run latency_b1_lora_r64 70 latency --random-weights $MODEL --batch-size 1 \
       --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
+    ;;
+  lora_b1)  # batch 1 with 4 rank-16 adapters, then its decode step kernel by kernel (step_profile.py)
+    bench_run latency_b1_lora4 170 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 \
+      --num-iters 3 --lora-adapters 4 --max-lora-rank 16
+    profile_run b1_c192_lora4 150 --shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1 \
+      --lora-adapters 4 --max-lora-rank 16
     ;;
   lora_profile)  # the batch-1 and batch-32 decode steps kernel by kernel, without and with 4 rank-16 adapter slots
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)
@@ -177,5 +184,5 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|fp8_gemm|lora|lora_update|lora_profile|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|fp8_gemm|lora|lora_b1|lora_update|lora_profile|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac

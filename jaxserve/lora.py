@@ -116,6 +116,7 @@ def read_adapter(name: str, source: Any, config: Any = None) -> LoraAdapter:
     if config is None:
         raise ValueError(f"LoRA adapter {name!r}: tensors in memory need their adapter_config (config=...)")
     flat = flat_names(source)
+    _start_host_copies(flat.values())
     if any(_QWIX_NAME.fullmatch(key) for key in flat):
         return from_qwix(name, flat, config)
     return from_peft(name, flat, config)
@@ -247,6 +248,15 @@ def from_peft(name: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) 
     if not weights:
         raise ValueError(f"LoRA adapter {name!r} holds no lora_A / lora_B weights")
     return LoraAdapter(name, rank, weights, scaling, config)
+
+
+def _start_host_copies(values: Any) -> None:
+    """Starts every device array's copy to host memory at once (jax's `copy_to_host_async`): `host_array` then
+    waits for each, instead of one blocking copy after another (~0.4 ms each for a few hundred arrays)."""
+    for value in values:
+        start = getattr(value, "copy_to_host_async", None)
+        if start is not None:
+            start()
 
 
 def host_array(value: Any) -> np.ndarray:
