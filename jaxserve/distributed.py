@@ -8,7 +8,10 @@ size is the minimum over the processes (`agree_on_num_blocks`). Process 0 then o
 block manager and the front end; the runner sends each step it dispatches through a `StepChannel` (which
 compiled step, then its StepInputs) and every other process `follow`s: it runs the same compiled step on
 the same inputs, so that the collectives inside the step meet. Only process 0 reads the outputs. When
-process 0 closes its engine it sends "stop" and the followers return.
+process 0 closes its engine it sends "stop" and the followers return. A LoRA adapter slot process 0 writes
+(`Runner.write_adapter`) goes through the channel too, before the step that reads it: the adapter's name and
+the PEFT directory it was read from, which every process reads for itself (as each reads the checkpoint), or
+none for a slot zeroed; an adapter from memory is refused in a multi-process run (`Engine.load_adapter`).
 
 The channel is the coordination service's key-value store (the gRPC service jax.distributed starts on
 process 0), not a device collective: sending a step through it measured several times faster than
@@ -23,7 +26,9 @@ timeout, and jax ends it with a log line that names the process that stopped ans
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ from jax.experimental import multihost_utils
 
 from jaxserve import compat
 from jaxserve.buckets import Bucket
+from jaxserve.lora import LoraAdapter, read_peft_dir
 from jaxserve.runner import Runner
 from jaxserve.step_inputs import StepInputs, padding_inputs
 from jaxserve.variants import StepConfig, StepVariant
@@ -43,12 +49,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # jax's default (100 s) leaves a server hanging that long on a dead peer
 _POLL_MS = 10_000  # a follower's wait for the next step, repeated while process 0 is idle
-# Process 0 keeps the last _KEPT_MESSAGES steps in the store. A step cannot complete before every follower
-# has run it (its collectives wait for them: the engine is split over every process's devices, `LLM`
-# refuses other layouts), and the engine reads each step's tokens at most two steps after dispatching it,
-# so a follower has always read a message long before it is deleted.
-_KEPT_MESSAGES = 16
-_STEP, _STOP = 0, 1
+# Process 0 keeps the messages of the last _KEPT_STEPS steps in the store (the steps and the adapter writes
+# between them). A step cannot complete before every follower has run it (its collectives wait for them: the
+# engine is split over every process's devices, `LLM` refuses other layouts), and the engine reads each
+# step's tokens at most two steps after dispatching it, so a follower has always read a message long before
+# it is deleted.
+_KEPT_STEPS = 16
+_STEP, _STOP, _ADAPTER = 0, 1, 2
 _channel_numbers = itertools.count()
 
 
@@ -164,12 +171,49 @@ def agree_on_num_blocks(num_blocks: int) -> int:
     return agreed
 
 
+def check_adapter_source(adapter: LoraAdapter) -> None:
+    """ValueError for an adapter from memory, which the other processes of a multi-process run cannot read."""
+    if adapter.path is None:
+        raise ValueError(
+            f"LoRA adapter {adapter.name!r} comes from memory: a multi-process run serves adapters from a PEFT "
+            "directory that every process can read (LoRARequest's lora_path, load_lora(name, path))"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWrite:
+    """A LoRA slot process 0 wrote: the adapter `name` read from its PEFT directory `path`, or (both None) zeros."""
+
+    slot: int
+    name: str | None
+    path: str | None
+
+    def read(self) -> LoraAdapter | None:
+        """The adapter, read from its directory by this process (None: the slot is zeroed)."""
+        if self.path is None:
+            return None
+        try:
+            return read_peft_dir(self.name, self.path)
+        except (OSError, ValueError) as error:
+            raise RuntimeError(
+                f"process {jax.process_index()} could not read LoRA adapter {self.name!r} from {self.path}, which "
+                f"process 0 loaded: every process reads it from that path: {error}"
+            ) from error
+
+
 def follow(runner: Runner, channel: StepChannel) -> int:
-    """A follower's loop: runs each step process 0 sends, on the same inputs, until process 0 stops;
-    returns the number of steps run. It waits for each step's tokens before running the one after next,
-    so that a failed step raises here rather than leaving calls queued behind it."""
+    """A follower's loop: runs each step process 0 sends, on the same inputs, and writes each LoRA slot it
+    wrote, until process 0 stops; returns the number of steps run. It waits for each step's tokens before
+    running the one after next, so that a failed step raises here rather than leaving calls queued behind it."""
     previous, count = None, 0
     while (message := channel.receive(runner.spec.steps)) is not None:
+        if isinstance(message, AdapterWrite):
+            adapter = message.read()
+            if adapter is not None:
+                runner.weights.check_adapter(adapter)
+                runner.weights.prepare_adapter(adapter)
+            runner.weights.write_adapter(message.slot, adapter)
+            continue
         bucket, variant, inputs = message
         output = runner.run(inputs, bucket, variant)
         if previous is not None:
@@ -185,7 +229,8 @@ class StepChannel:
     """Process 0 -> the followers: one message per step, in order, through the coordination service's
     key-value store. A message is a header (step or stop, and the index of the step's (bucket, variant)
     in `StepConfig.compiled_steps()`) then the raw bytes of the StepInputs leaves; the receiver rebuilds
-    them over `padding_inputs` of that step, the one declaration of their shapes and dtypes."""
+    them over `padding_inputs` of that step, the one declaration of their shapes and dtypes. An adapter
+    write is a header (adapter, and the slot) then its name and path as JSON."""
 
     def __init__(self) -> None:
         client = compat.distributed_client()  # the store multihost_utils uses too
@@ -195,6 +240,8 @@ class StepChannel:
         # each process has the same name, and a later engine's keys do not meet an earlier one's.
         self._name = f"jaxserve/steps/{next(_channel_numbers)}"
         self._client, self._count, self._stopped = client, 0, False
+        self._deleted = 0  # the messages below this count are deleted from the store
+        self._step_ends: collections.deque[int] = collections.deque()  # the count after each kept step
         self._templates: dict[int, tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]] = {}
         self._indices: dict[tuple[Bucket, StepVariant], int] = {}
         self._steps: StepConfig | None = None
@@ -207,17 +254,28 @@ class StepChannel:
             raise ValueError(f"the inputs of step {bucket} {variant} do not have the shapes of its padding inputs")
         self._send(_STEP, index, b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves))
 
+    def send_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Tells the followers to write `slot` as this process does: the adapter read from its PEFT directory
+        (ValueError for an adapter from memory, which they cannot read), or zeros (None)."""
+        if adapter is not None:
+            check_adapter_source(adapter)
+        names = {"name": None, "path": None} if adapter is None else {"name": adapter.name, "path": adapter.path}
+        self._send(_ADAPTER, slot, json.dumps(names).encode())
+
     def send_stop(self) -> None:
         if not self._stopped:
             self._send(_STOP, 0, b"")
             self._stopped = True
 
-    def receive(self, steps: StepConfig) -> tuple[Bucket, StepVariant, StepInputs] | None:
-        """The next step (None: process 0 stopped); waits for it as long as process 0 is alive."""
+    def receive(self, steps: StepConfig) -> tuple[Bucket, StepVariant, StepInputs] | AdapterWrite | None:
+        """The next step or adapter write (None: process 0 stopped); waits for it as long as process 0 is alive."""
         message = self._receive()
         kind, index = (int(x) for x in np.frombuffer(message[:8], np.int32))
         if kind == _STOP:
             return None
+        if kind == _ADAPTER:
+            names = json.loads(message[8:])
+            return AdapterWrite(index, names["name"], names["path"])
         bucket, variant = self._compiled_steps(steps)[index]
         treedef, layout = self._template(steps, index)
         leaves, offset = [], 8
@@ -232,9 +290,15 @@ class StepChannel:
             atexit.register(self.send_stop)
         header = np.array([kind, index], np.int32).tobytes()
         self._client.key_value_set_bytes(f"{self._name}/{self._count}", header + payload)
-        if self._count >= _KEPT_MESSAGES:
-            self._client.key_value_delete(f"{self._name}/{self._count - _KEPT_MESSAGES}")
         self._count += 1
+        if kind != _STEP:
+            return
+        self._step_ends.append(self._count)
+        if len(self._step_ends) > _KEPT_STEPS:  # the messages up to the step _KEPT_STEPS steps back
+            end = self._step_ends.popleft()
+            for number in range(self._deleted, end):
+                self._client.key_value_delete(f"{self._name}/{number}")
+            self._deleted = end
 
     def _receive(self) -> bytes:
         key = f"{self._name}/{self._count}"

@@ -220,13 +220,15 @@ class Engine:
         is refused while a request is unfinished."""
         self._check_open("load_adapter")
         self._lora_config("load_adapter")
+        if distributed.is_multiprocess():
+            distributed.check_adapter_source(adapter)
         self.runner.weights.check_adapter(adapter)
         self.runner.weights.prepare_adapter(adapter)
         if adapter.name in self.adapters:
             self._refuse_while_busy("replacing an adapter")
             slot = self.scheduler.lora_slots.slot_of(adapter.name)
             if slot is not None:
-                self.runner.weights.write_adapter(slot, adapter)
+                self.runner.write_adapter(slot, adapter)
         self.adapters[adapter.name] = adapter
 
     def unload_adapter(self, name: str) -> None:
@@ -236,7 +238,7 @@ class Engine:
         self._refuse_while_busy("unloading an adapter")
         slot = self.scheduler.lora_slots.forget(name)
         if slot is not None:
-            self.runner.weights.write_adapter(slot, None)
+            self.runner.write_adapter(slot, None)
         del self.adapters[name]
 
     def _adapter(self, name: str | None) -> LoraAdapter | None:
@@ -256,7 +258,7 @@ class Engine:
         """Writes the slots the scheduler gave to adapters not in them yet (before the step that reads them)."""
         pending = self.scheduler.lora_slots.pending
         for slot, name in pending.items():
-            self.runner.weights.write_adapter(slot, self.adapters[name])
+            self.runner.write_adapter(slot, self.adapters[name])
         pending.clear()
 
     # ---- device memory between uses: sleep, wake_up, close -----------------------------------------
@@ -572,8 +574,6 @@ def start_runner(
         kv_cache_dtype=config.kv_cache.dtype,
         lora=config.lora,
     )
-    if config.lora is not None and distributed.is_multiprocess():
-        raise ValueError("LoRA adapters (enable_lora) are not served in a multi-process run yet: serve on one host")
     store = default_executable_store_dir(config.compile.cache_dir) if config.compile.store_executables else None
     # A multi-process run (jaxserve.distributed): every process builds this engine; process 0's runner sends
     # its steps, the others receive them (`LLM.follow`).

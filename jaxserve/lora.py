@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,9 @@ class LoRARequest:
 @dataclass(frozen=True, slots=True)
 class LoraAdapter:
     """An adapter's weights: (layer, module) -> (A [r, in], B [out, r]) (PEFT's lora_A / lora_B) or, `transposed`,
-    (A [in, r], B [r, out]) (qwix's), float32 or bfloat16; the scaling its product is multiplied by; its rank; and
-    `version`, which changes whenever its weights do (the prefix cache keys blocks by it)."""
+    (A [in, r], B [r, out]) (qwix's), float32 or bfloat16; the scaling its product is multiplied by; its rank;
+    `version`, which changes whenever its weights do (the prefix cache keys blocks by it); and `path`, the PEFT
+    directory it was read from (None: from memory), which the other processes of a multi-process run read it from."""
 
     name: str
     rank: int
@@ -76,6 +77,7 @@ class LoraAdapter:
     config: dict[str, Any] = field(default_factory=dict)  # its adapter_config (what a later update is read with)
     version: int = 0
     transposed: bool = False
+    path: str | None = None
 
     def __post_init__(self) -> None:
         # One dtype for all its arrays (the kind of adapter the engine's slot writes are compiled for): float32
@@ -214,7 +216,7 @@ def read_peft_dir(name: str, path: str | os.PathLike) -> LoraAdapter:
         found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
         raise ValueError(f"LoRA adapter {name!r}: {directory} has no adapter_model.safetensors (found {found})")
     config = json.loads(config_path.read_text())
-    return from_peft(name, load_file(str(weights_path)), config)
+    return replace(from_peft(name, load_file(str(weights_path)), config), path=str(directory))
 
 
 def from_peft(name: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> LoraAdapter:

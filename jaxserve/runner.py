@@ -42,6 +42,7 @@ from jaxserve.variants import StepConfig, StepVariant
 
 if TYPE_CHECKING:
     from jaxserve.distributed import StepChannel
+    from jaxserve.lora import LoraAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,13 @@ class Runner:
         return first_runs
 
     # ---- one step -------------------------------------------------------------------------------
+
+    def write_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Writes an adapter (None: zeros) into a LoRA slot (`ServingWeights.write_adapter`); process 0 of a
+        multi-process run tells the other processes first, so that they write it before the next step too."""
+        if self.channel is not None:
+            self.channel.send_adapter(slot, adapter)
+        self.weights.write_adapter(slot, adapter)
 
     def run(self, inputs: StepInputs, bucket: Bucket, variant: StepVariant) -> StepOutput:
         """Dispatches the step's forward and sampler; returns their device outputs without waiting."""

@@ -120,9 +120,11 @@ class ServingWeights:
         self._offload_adapters()
 
     def close(self) -> None:
-        """Frees every device buffer: the weights and the adapter tables."""
-        self.discard()
-        self._lora_host = None
+        """Frees every device buffer, the weights and the adapter tables, without a copy to the host."""
+        delete_arrays(self.arrays)
+        if self.lora is not None:
+            delete_arrays(self.lora)
+        self.arrays, self._host, self.lora, self._lora_host = None, None, None, None
 
     def _offload_adapters(self) -> None:
         if self.lora is not None:

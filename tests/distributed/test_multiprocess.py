@@ -1,6 +1,7 @@
 """Multi-process serving (`jaxserve.distributed`) with two processes on this machine, one CPU device each,
 tensor parallelism over both: the greedy tokens equal the dense reference's, over the smaller of the two
-processes' KV pools; killing either process ends the other with an error within a bounded time; `jaxserve
+processes' KV pools; LoRA adapters read from PEFT directories, swapped through one slot and unloaded, give a
+one-process engine's tokens; killing either process ends the other with an error within a bounded time; `jaxserve
 serve` over two processes answers and stops.
 
 Each process is a fresh interpreter (jax.distributed must start before jax does) that reports one JSON
@@ -30,7 +31,8 @@ import requests
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 5
 
-# argv: process id, coordinator port, what to do ("tokens" | "forever"), the prompts (JSON).
+# argv: process id, coordinator port, what to do ("tokens" | "lora" | "forever"), the prompts (JSON), and for
+# "lora" the adapters' directories (JSON: name -> path).
 SCRIPT = textwrap.dedent(
     f"""
     import faulthandler, json, signal, sys
@@ -43,6 +45,7 @@ SCRIPT = textwrap.dedent(
     from jaxserve.config import CompileConfig, KvCacheConfig
     from jaxserve.dense import generate_dense
     from jaxserve.llm import LLM
+    from jaxserve.lora import LoRARequest
     from jaxserve.sampling import SamplingParams
     from jaxserve.models import registry, shapes
     from jaxserve.models.loader import LoadedModel
@@ -58,9 +61,12 @@ SCRIPT = textwrap.dedent(
     compile_config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False)
     # Process 1 holds a smaller pool (20 blocks and the reserved one, against 33): both serve that one.
     kv_config = KvCacheConfig(max_tokens=320) if process_id == 1 else None
+    # "lora": one adapter slot, so that the two adapters take turns in it.
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=4) if mode == "lora" else {{}}
     llm = LLM(
         model, tokenizer=bench.IdTextTokenizer(), max_batch_size=4, max_num_tokens=32, max_seq_len=128,
         kv_cache_config=kv_config, compile_config=compile_config, attention_backend="xla", show_progress=False,
+        **lora,
     )
     report = dict(
         devices=[sorted(d.id for d in llm.engine.runner.mesh.devices.flat), [d.id for d in jax.local_devices()]],
@@ -75,6 +81,23 @@ SCRIPT = textwrap.dedent(
         report["steps"] = len(llm.engine.stats)
         llm.close()
         report["reference"] = generate_dense(model.family, model.config, model.weights, prompts, 6)
+    elif mode == "lora":
+        dirs = json.loads(sys.argv[5])
+        requests = [LoRARequest(name, 1 + i, dirs[name]) for i, name in enumerate(sorted(dirs))]
+        mixed = [None, requests[0], requests[1], requests[0], None, requests[1]]
+        outputs = llm.generate(prompts, greedy, lora_request=mixed, use_tqdm=False)
+        report["tokens"] = [o.outputs[0].token_ids for o in outputs]
+        llm.unload_lora(requests[0].lora_name)  # its slot zeroed, then the other adapter's again
+        outputs = llm.generate(prompts[:2], greedy, lora_request=[requests[1], None], use_tqdm=False)
+        report["after_unload"] = [o.outputs[0].token_ids for o in outputs]
+        try:
+            from safetensors.numpy import load_file
+            in_memory = load_file(dirs["a"] + "/adapter_model.safetensors")  # "a"'s tensors, without a path
+            llm.load_lora("memory", in_memory, {{"r": 4, "lora_alpha": 8}})
+        except ValueError as error:
+            report["from_memory"] = str(error)
+        report["steps"] = len(llm.engine.stats)
+        llm.close()
     else:
         print("generating", flush=True)
         while True:
@@ -185,9 +208,9 @@ def _reports(processes: list[_Process], timeout: float = 300) -> list[dict]:
     return [p.report() for p in processes]
 
 
-def _script(mode: str) -> list[_Process]:
+def _script(mode: str, *extra: str) -> list[_Process]:
     port = str(_free_port())
-    return [_Process(["-c", SCRIPT, str(i), port, mode, json.dumps(PROMPTS)]) for i in range(2)]
+    return [_Process(["-c", SCRIPT, str(i), port, mode, json.dumps(PROMPTS), *extra]) for i in range(2)]
 
 
 def test_two_processes_give_the_dense_reference_tokens():
@@ -203,6 +226,79 @@ def test_two_processes_give_the_dense_reference_tokens():
     assert leader["devices"][0] == follower["devices"][0] == sorted(leader["devices"][1] + follower["devices"][1])
     assert leader["num_blocks"] == follower["num_blocks"] == 21
     assert "KV pool lowered from 33 to 21 blocks" in processes[0].text()
+    assert follower["steps"] == leader["steps"] > 0
+
+
+def _peft_dir(path: Path, seed: int, rank: int, modules: dict[str, tuple[int, int]]) -> str:
+    """A PEFT adapter directory for the tiny-llama shape: module -> (in, out) widths, random A and B in both
+    layers (large enough that the tokens change)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(2):
+        for module, (width_in, width_out) in modules.items():
+            group = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, width_in)) * 0.5).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((width_out, rank)) * 0.5).astype(np.float32)
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(modules)}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _one_process_lora_tokens(dirs: dict[str, str]) -> tuple[list, list]:
+    """What the "lora" script's leader generates, from an engine of this process alone (two adapter slots)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve import bench
+    from jaxserve.config import CompileConfig
+    from jaxserve.llm import LLM
+    from jaxserve.lora import LoRARequest
+    from jaxserve.models import registry, shapes
+    from jaxserve.models.loader import LoadedModel
+    from jaxserve.sampling import SamplingParams
+
+    hf_config = shapes.shape("tiny-llama")  # the script's weights, drawn the same way
+    family, cfg = registry.resolve(hf_config)
+    rng = np.random.default_rng(0)
+    shaped = jax.eval_shape(lambda key: family.init_weights(cfg, key, jnp.float32), jax.random.key(0))
+    weights = jax.tree.map(lambda w: (rng.standard_normal(w.shape) * 0.2).astype(w.dtype), shaped)
+    model = LoadedModel(family, cfg, weights, hf_config, None, "random weights")
+    compile_config = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    requests = [LoRARequest(name, 1 + i, dirs[name]) for i, name in enumerate(sorted(dirs))]
+    with LLM(
+        model, tokenizer=bench.IdTextTokenizer(), max_batch_size=4, max_num_tokens=32, max_seq_len=128,
+        compile_config=compile_config, attention_backend="xla", show_progress=False,
+        enable_lora=True, max_loras=2, max_lora_rank=4,
+    ) as llm:  # fmt: skip
+        mixed = [None, requests[0], requests[1], requests[0], None, requests[1]]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, lora_request=mixed, use_tqdm=False)]
+        after = llm.generate(PROMPTS[:2], greedy, lora_request=[requests[1], None], use_tqdm=False)
+        base = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    return tokens, [o.outputs[0].token_ids for o in after], [o.outputs[0].token_ids for o in base]
+
+
+def test_two_processes_serve_lora_adapters_from_their_directories(tmp_path):
+    dirs = {
+        "a": _peft_dir(tmp_path / "a", 1, 4, {"q_proj": (64, 64), "v_proj": (64, 32), "down_proj": (96, 64)}),
+        "b": _peft_dir(tmp_path / "b", 2, 2, {"o_proj": (64, 64), "gate_proj": (64, 96), "k_proj": (64, 32)}),
+    }
+    processes = _script("lora", json.dumps(dirs))
+    try:
+        leader, follower = _reports(processes)
+    finally:
+        for p in processes:
+            p.kill()
+    tokens, after_unload, base = _one_process_lora_tokens(dirs)
+    assert all(tokens[i] != base[i] for i in (1, 2, 3, 5))  # each adapter changes its rows' tokens
+    assert leader["tokens"] == tokens
+    assert leader["after_unload"] == after_unload
+    assert "comes from memory: a multi-process run serves adapters from a PEFT directory" in leader["from_memory"]
     assert follower["steps"] == leader["steps"] > 0
 
 
