@@ -326,11 +326,13 @@ def test_default_model_greedy_matches_dense_with_preemption(smollm2, make_llm, a
 def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch, tmp_path, tiny_model, make_llm):
     """Compiled decode buckets pass max_q_len=1 (the Pallas kernel then skips its mixed launch); token
     buckets, which also carry prefill chunks, pass None. The xla reference ignores the hint, so the
-    calls are recorded at trace time: an empty step store (cache_dir) makes sure every step is traced
-    rather than loaded from an earlier test's or an earlier run's store, and jax's caches are cleared
-    before and after, so that no decoder layer an earlier test traced (`jaxserve.models.llama.decoder_layer` is
-    one jit) stands in for this test's and none traced with the recording reaches a later test."""
-    from jaxserve import kernels
+    calls are recorded at trace time, and the steps are only lowered, not compiled (the engine is never run; the
+    step store cannot keep a lowered step): an empty step store (cache_dir) makes sure every step is traced rather
+    than loaded from an earlier test's or an earlier run's store, and jax's caches are cleared before and after,
+    so that no decoder layer an earlier test traced (`jaxserve.models.llama.decoder_layer` is one jit) stands in
+    for this test's and none traced with the recording reaches a later test. (Without a step store the engine
+    turns on jax's persistent cache for the whole process, and a later test's step store then stores nothing.)"""
+    from jaxserve import kernels, step_table
 
     seen = []
     reference = kernels.ragged_paged_attention_reference
@@ -340,6 +342,7 @@ def test_decode_buckets_tell_the_attention_the_batch_is_decode_only(monkeypatch,
         return reference(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "ragged_paged_attention_reference", recording)
+    monkeypatch.setattr(step_table, "_lower_and_compile", lambda jitted, args, *_: jitted.lower(*args))
     config = CompileConfig(
         decode_batch_sizes=(2, 4), token_buckets=(4, 16), penalty_variants=False, lazy=False, cache_dir=str(tmp_path)
     )
