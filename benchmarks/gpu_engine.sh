@@ -22,8 +22,9 @@
 #                                             # lora_profile: step_profile.py of batch 1 and 32, without and with
 #                                             # 4 rank-16 adapter slots; lora_b1: the batch-1 bench with adapters
 #                                             # and its step's profile; lora_delta: the batch-1 step's
-#                                             # profile without adapters, with them, with their products
-#                                             # written in bf16 (--lora-delta bf16), then the batch-1 bench
+#                                             # profile without adapters, with them (XLA's products, the
+#                                             # Pallas kernels: --lora-delta pallas, XLA's in bf16: bf16),
+#                                             # then the batch-1 bench
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -135,13 +136,15 @@ case "${1:-}" in
     profile_run b1_c192_lora4 150 --shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1 \
       --lora-adapters 4 --max-lora-rank 16
     ;;
-  lora_delta)  # the batch-1 decode step kernel by kernel: no adapters, 4 rank-16 slots, their products written in bf16
+  lora_delta)  # the batch-1 decode step kernel by kernel: no adapters, 4 rank-16 slots (XLA's products, the Pallas
+    # kernels), the batch-1 bench, then XLA's products written in bf16 (last: the first cut if the call runs long)
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
     profile_run b1_c192 120 "${P[@]}"
     profile_run b1_c192_lora4 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
-    profile_run b1_c192_lora4_bf16 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta bf16
+    profile_run b1_c192_lora4_pallas 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta pallas
     bench_run latency_b1_lora4 170 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 \
       --num-iters 3 --lora-adapters 4 --max-lora-rank 16
+    profile_run b1_c192_lora4_bf16 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta bf16
     ;;
   lora_profile)  # the batch-1 and batch-32 decode steps kernel by kernel, without and with 4 rank-16 adapter slots
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)

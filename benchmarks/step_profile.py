@@ -173,9 +173,10 @@ def parse_args() -> argparse.Namespace:
     add("--max-lora-rank", type=int, default=16)
     add(
         "--lora-delta",
-        choices=["library", "bf16"],
+        choices=["library", "bf16", "pallas"],
         default="library",
-        help="bf16: the adapters' products written in the step's dtype (lora_delta_bf16), not float32",
+        help="bf16: the adapters' products written in the step's dtype (lora_delta_bf16), not float32; pallas: "
+        "the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; one device)",
     )
     add("--top", type=int, default=25)
     add("--out", default="step_profile.csv")
@@ -668,8 +669,11 @@ def write_outputs(out: str, profiles: list[Profile], extra: dict) -> None:
 
 def main() -> None:
     args = parse_args()
+    # What quant.linear calls for an adapted linear, replaced before anything is traced.
     if args.lora_delta == "bf16":
-        quant.lora_delta = lora_delta_bf16  # what quant.linear calls, before anything is traced
+        quant.add_lora = lambda base, x, w: base + lora_delta_bf16(x, w)
+    elif args.lora_delta == "pallas":
+        quant.add_lora = lora.add_lora_kernels
     args.trace_dir = args.trace_dir or os.path.splitext(args.out)[0] + "_traces"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     enable_compilation_cache(None)

@@ -15,7 +15,7 @@ r, or alpha / sqrt(r) with rsLoRA) is folded into b, so the product is plain.
 
 A step's tokens each name their request's slot (`StepInputs.lora_slots`, 0 for base rows and padding); `bind`
 wraps each targeted weight of the step's layers in a `LoraLinear` with the one-hot of those slots, and
-`quant.linear` adds `lora_delta` to the base product:
+`quant.linear` adds `lora_delta` to the base product (`add_lora`):
 
     xa = einsum(x, a)            [T, S, P*R]   every slot's A for every token (S*P*R columns: one thin GEMM)
     delta = einsum(xa * onehot, b)              each token keeps its own slot's columns, then one GEMM with B
@@ -31,6 +31,7 @@ Legend beyond docs' (STYLE.md): S adapter slots, R the table's rank, P the modul
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -76,6 +77,35 @@ def lora_delta(x: Array, w: LoraLinear) -> Array:
     xa = (xa * w.onehot[..., None]).astype(x.dtype)
     slots_and_rank = ((rows, rows + 1), (0, 1))
     return jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def add_lora(base: Array, x: Array, w: LoraLinear) -> Array:
+    """`quant.linear`'s product of x and a `LoraLinear`: the base product `base` plus `lora_delta`."""
+    return base + lora_delta(x, w)
+
+
+def add_lora_kernels(base: Array, x: Array, w: LoraLinear, *, interpret: bool = False) -> Array:
+    """`add_lora` as the two Pallas kernels of `jaxserve.kernels.lora` (x @ a split over K, then the slot mask, @ b
+    and the add), on one device's unsplit tables; in base's dtype. Under evaluation: the engine runs `add_lora`
+    (`benchmarks/step_profile.py --lora-delta pallas` runs this)."""
+    from jaxserve.kernels.lora import lora_add
+
+    num_in = w.a.ndim - 2
+    rows = x.shape[: x.ndim - num_in]
+    num_slots, cols = w.a.shape[-2:]
+    dim_in = math.prod(x.shape[x.ndim - num_in :])
+    x2 = x.reshape(-1, dim_in)
+    slots = jnp.argmax(w.onehot, axis=-1).astype(jnp.int32).reshape(-1)
+    out = lora_add(
+        x2,
+        w.a.reshape(dim_in, num_slots * cols),
+        w.b.reshape(num_slots * cols, -1),
+        slots,
+        base.reshape(x2.shape[0], -1),
+        cols_per_slot=cols,
+        interpret=interpret,
+    )
+    return out.reshape(*rows, *base.shape[len(rows) :])
 
 
 def bind(weights: Any, tables: tuple[dict[str, LoraTable], ...], slots: Int[Array, " T"]) -> Any:
