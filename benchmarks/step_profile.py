@@ -175,8 +175,8 @@ def parse_args() -> argparse.Namespace:
         "--lora-delta",
         choices=["library", "bf16", "pallas"],
         default="library",
-        help="bf16: the adapters' products written in the step's dtype (lora_delta_bf16), not float32; pallas: "
-        "the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; one device)",
+        help="bf16: the adapters' products written in the step's dtype (lora.lora_delta's result_dtype), not float32; "
+        "pallas: the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; one device)",
     )
     add("--top", type=int, default=25)
     add("--out", default="step_profile.csv")
@@ -193,20 +193,6 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---- the runner and the step inputs -------------------------------------------------------------
-
-
-def lora_delta_bf16(x: jax.Array, w: lora.LoraLinear) -> jax.Array:
-    """`lora.lora_delta` with both products written in x's dtype (float32 accumulation) and the mask in it, no
-    float32 result and cast after each: fewer kernels on a GPU, if XLA fuses the sum with the base product into
-    the second GEMM. On XLA:CPU a bfloat16 step took 3x as long this way (24.3 ms against 8.2, tiny shape, batch 8),
-    so the library keeps float32 results."""
-    num_in = w.a.ndim - 2
-    rows = x.ndim - num_in
-    x_in, a_in = tuple(range(rows, x.ndim)), tuple(range(num_in))
-    xa = jax.lax.dot_general(x, w.a, ((x_in, a_in), ((), ())), preferred_element_type=x.dtype)
-    xa = xa * w.onehot[..., None].astype(x.dtype)
-    slots_and_rank = ((rows, rows + 1), (0, 1))
-    return jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=x.dtype)
 
 
 def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) -> Runner:
@@ -671,7 +657,7 @@ def main() -> None:
     args = parse_args()
     # What quant.linear calls for an adapted linear, replaced before anything is traced.
     if args.lora_delta == "bf16":
-        quant.add_lora = lambda base, x, w: base + lora_delta_bf16(x, w)
+        quant.add_lora = lambda base, x, w: base + lora.lora_delta(x, w, result_dtype=x.dtype)
     elif args.lora_delta == "pallas":
         quant.add_lora = lora.add_lora_kernels
     args.trace_dir = args.trace_dir or os.path.splitext(args.out)[0] + "_traces"

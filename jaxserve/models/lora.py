@@ -66,17 +66,20 @@ class LoraLinear:
     onehot: Float[Array, "T S"]
 
 
-def lora_delta(x: Array, w: LoraLinear) -> Array:
+def lora_delta(x: Array, w: LoraLinear, result_dtype: Any = jnp.float32) -> Array:
     """The adapters' share of `quant.linear`'s product of x and the base weight for each token of x (its slot's
     x @ A @ B), in x's dtype: x's trailing axes contracted with a's leading ones, in their stored order (dot_general,
-    not an einsum, which orders contracted axes by letter: XLA:CPU then copies the operand into that order)."""
+    not an einsum, which orders contracted axes by letter: XLA:CPU then copies the operand into that order).
+    result_dtype: what both products write (accumulating in float32), then cast to x's dtype. The engine keeps
+    float32; x's dtype (`benchmarks/step_profile.py --lora-delta bf16`) is to be measured on a GPU, where it may let
+    the sum with the base product fuse into the second GEMM."""
     num_in = w.a.ndim - 2
     rows = x.ndim - num_in
     x_in, a_in = tuple(range(rows, x.ndim)), tuple(range(num_in))
-    xa = jax.lax.dot_general(x, w.a, ((x_in, a_in), ((), ())), preferred_element_type=jnp.float32)  # [T, S, P*R]
-    xa = (xa * w.onehot[..., None]).astype(x.dtype)
+    xa = jax.lax.dot_general(x, w.a, ((x_in, a_in), ((), ())), preferred_element_type=result_dtype)  # [T, S, P*R]
+    xa = (xa * w.onehot[..., None].astype(result_dtype)).astype(x.dtype)
     slots_and_rank = ((rows, rows + 1), (0, 1))
-    return jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
+    return jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=result_dtype).astype(x.dtype)
 
 
 def add_lora(base: Array, x: Array, w: LoraLinear) -> Array:

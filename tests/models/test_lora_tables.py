@@ -13,30 +13,17 @@ import pytest
 from jax.sharding import Mesh
 
 from jaxserve import lora as host_lora
-from jaxserve.models import lora, registry
+from jaxserve.models import lora, registry, shapes
 from jaxserve.models.common import ParamSpec
 from jaxserve.sharding.rules import LOGICAL_AXIS_RULES, MODEL_AXIS, named_shardings
 
-TINY = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
 MAX_RANK, RANK = 4, 3  # an adapter below the tables' rank: the padded path
 ALPHA = 6.0  # scaling 2.0
 
 
 @pytest.fixture(scope="module")
 def setup():
-    family, cfg = registry.resolve(TINY)
+    family, cfg = registry.resolve(shapes.shape("tiny-llama"))
     specs = family.serving_specs(cfg)
     table_specs = lora.table_specs(specs, max_loras=2, max_rank=MAX_RANK)
     mesh = Mesh(np.array(jax.devices()[:1]), (MODEL_AXIS,))
