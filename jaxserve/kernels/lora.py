@@ -1,7 +1,7 @@
 """LoRA's low-rank product added to a base product, for a batch of rows that each name an adapter slot: two Pallas
-(Triton) kernels and their jnp reference. Under evaluation: the engine runs `jaxserve.models.lora.add_lora` (XLA's
-GEMMs); `add_lora_kernels` there runs these (`benchmarks/step_profile.py --lora-delta pallas`), to compare a step's
-kernels on a GPU before the engine takes them.
+(Triton) kernels and their jnp reference. Measured slower than XLA's products on an H100 (docs/kernels.md, "LoRA
+kernels"): the engine runs `jaxserve.models.lora.add_lora` (XLA's GEMMs); `add_lora_kernels` there runs these
+(`benchmarks/step_profile.py --lora-delta pallas`).
 
     out = base + ((x @ a) * mask) @ b     x [T, K], a [K, S*C], b [S*C, N], base and out [T, N]
 
@@ -113,22 +113,20 @@ def _expand_kernel(partial_ref, slots_ref, b_ref, base_ref, out_ref, *, p: LoraP
     row_ok, col_ok = rows < p.num_rows, cols < p.dim_out
     slot = plgpu.load(slots_ref.at[rows], mask=row_ok, other=0)
 
-    def step(i, acc):
+    # Unrolled (Python loops over static counts): every partial's load is issued before the first is summed. As
+    # loops, each program waited for one load after another (an H100 took 17-41 µs a call for up to 64 splits).
+    acc = jnp.zeros((p.block_m, p.block_n), jnp.float32)
+    for i in range(pl.cdiv(p.dim_slots, p.block_c)):
         c = i * p.block_c + jnp.arange(p.block_c, dtype=jnp.int32)
         c_ok = c < p.dim_slots
         mask = row_ok[:, None] & c_ok[None, :]
-
-        def add_split(s, xa):
-            return xa + plgpu.load(partial_ref.at[s, rows[:, None], c[None, :]], mask=mask, other=0.0)
-
-        xa = lax.fori_loop(0, p.splits, add_split, jnp.zeros((p.block_m, p.block_c), jnp.float32))
+        index = (rows[:, None], c[None, :])
+        parts = [plgpu.load(partial_ref.at[(s, *index)], mask=mask, other=0.0) for s in range(p.splits)]
+        xa = functools.reduce(jnp.add, parts)
         xa = jnp.where((c // p.cols_per_slot)[None, :] == slot[:, None], xa, 0.0).astype(b_ref.dtype)
         b = plgpu.load(b_ref.at[c[:, None], cols[None, :]], mask=c_ok[:, None] & col_ok[None, :], other=0.0)
-        return acc + _dot(xa, b)
-
-    delta = lax.fori_loop(
-        0, pl.cdiv(p.dim_slots, p.block_c), step, jnp.zeros((p.block_m, p.block_n), jnp.float32)
-    ).astype(out_ref.dtype)
+        acc = acc + _dot(xa, b)
+    delta = acc.astype(out_ref.dtype)
     out_idx, out_mask = (rows[:, None], cols[None, :]), and_mask(row_ok[:, None], col_ok[None, :])
     base = plgpu.load(base_ref.at[out_idx], mask=out_mask, other=0.0)
     out = base.astype(jnp.float32) + delta.astype(jnp.float32)

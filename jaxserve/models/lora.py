@@ -66,13 +66,15 @@ class LoraLinear:
     onehot: Float[Array, "T S"]
 
 
-def lora_delta(x: Array, w: LoraLinear, result_dtype: Any = jnp.float32) -> Array:
+def lora_delta(x: Array, w: LoraLinear, result_dtype: Any = None) -> Array:
     """The adapters' share of `quant.linear`'s product of x and the base weight for each token of x (its slot's
     x @ A @ B), in x's dtype: x's trailing axes contracted with a's leading ones, in their stored order (dot_general,
     not an einsum, which orders contracted axes by letter: XLA:CPU then copies the operand into that order).
-    result_dtype: what both products write (accumulating in float32), then cast to x's dtype. The engine keeps
-    float32; x's dtype (`benchmarks/step_profile.py --lora-delta bf16`) is to be measured on a GPU, where it may let
-    the sum with the base product fuse into the second GEMM."""
+    result_dtype: what both products write, accumulating in float32 (None: x's dtype). Either way each product is
+    rounded once to x's dtype, so the values match; writing float32 and casting after cost an H100 0.45 ms of its
+    7.7 ms batch-1 step with 4 adapters (docs/performance.md, "LoRA adapters"), `benchmarks/step_profile.py
+    --lora-delta float32` measures it."""
+    result_dtype = x.dtype if result_dtype is None else result_dtype
     num_in = w.a.ndim - 2
     rows = x.ndim - num_in
     x_in, a_in = tuple(range(rows, x.ndim)), tuple(range(num_in))
@@ -89,8 +91,8 @@ def add_lora(base: Array, x: Array, w: LoraLinear) -> Array:
 
 def add_lora_kernels(base: Array, x: Array, w: LoraLinear, *, interpret: bool = False) -> Array:
     """`add_lora` as the two Pallas kernels of `jaxserve.kernels.lora` (x @ a split over K, then the slot mask, @ b
-    and the add), on one device's unsplit tables; in base's dtype. Under evaluation: the engine runs `add_lora`
-    (`benchmarks/step_profile.py --lora-delta pallas` runs this)."""
+    and the add), on one device's unsplit tables; in base's dtype. Slower than `add_lora` on an H100
+    (docs/kernels.md), so the engine runs that; `benchmarks/step_profile.py --lora-delta pallas` runs this."""
     from jaxserve.kernels.lora import lora_add
 
     num_in = w.a.ndim - 2

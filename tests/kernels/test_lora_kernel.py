@@ -94,7 +94,8 @@ def test_the_kernels_lower_for_a_gpu(capsys, monkeypatch):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
         jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args)
     ir = capsys.readouterr().out
-    assert ir.count("tt.dot") == 2, "the Triton IR of both kernels was not captured"
+    # The shrink's dot, and the expand's unrolled one for each 64 of the 240 slot columns.
+    assert ir.count("tt.dot") == 1 + 4, "the Triton IR of both kernels was not captured"
     assert "lora_shrink" in ir and "lora_expand" in ir
 
 
