@@ -10,11 +10,14 @@
 #   bash benchmarks/gpu_engine.sh sliding     # 256 x 8192/256 (MODEL=gemma-3-12b), SLIDING=off: with
 #                                             # --no-sliding-window-kv (every layer keeps every token's KV)
 #   bash benchmarks/gpu_engine.sh moe         # qwen3-30b-a3b (MODEL=mixtral-8x7b etc.): the MoE layer's pieces
-#                                             # (moe_layer_profile.py), batch 1, 1024 x 128/128; moe_long: 512 x 1000/1000;
+#                                             # (moe_layer_profile.py; NO_PROFILE=1: not), then batch 1;
+#                                             # moe_throughput: 1024 x 128/128; moe_long: 512 x 1000/1000;
 #                                             # moe_fp8: batch 1 and 1024 x 128/128 in FP8 (experts too) + FP8 KV
 #   bash benchmarks/gpu_engine.sh fp8         # batch 1 in bf16, FP8 weights + FP8 KV, and --quantize-lm-head;
 #                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV;
-#                                             # fp8_gemm: fp8_gemm.py's table (the products by layout, ~5 min)
+#                                             # fp8_gemm: fp8_gemm.py's table (the products by layout, ~5 min);
+#                                             # fp8_profile: the batch-1 decode step kernel by kernel in bf16 and
+#                                             # in FP8 weights + FP8 KV (step_profile.py; BATCHES="1 32": more)
 #   bash benchmarks/gpu_engine.sh lora        # batch 1 and 1024 x 128/128 without and with 4 random rank-16 adapters
 #                                             # on all seven projections (requests spread over them), then the update
 #                                             # of one rank-64 adapter (bench's lora.update_ms; NO_UPDATE=1: not),
@@ -23,8 +26,8 @@
 #                                             # 4 rank-16 adapter slots; lora_b1: the batch-1 bench with adapters
 #                                             # and its step's profile; lora_delta: the batch-1 step's
 #                                             # profile without adapters, with them (XLA's products, the
-#                                             # Pallas kernels: --lora-delta pallas, XLA's in bf16: bf16),
-#                                             # then the batch-1 bench
+#                                             # Pallas kernels: --lora-delta pallas; float32: written in float32),
+#                                             # then the batch-1 bench; lora_pallas: those three profiles only
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -94,9 +97,12 @@ case "${1:-}" in
     ;;
   moe)  # MODEL=qwen3-30b-a3b by default: the MoE layer piece by piece, batch 1, then 1024 x 128/128
     M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
-    (cd benchmarks && timeout 120 python3 moe_layer_profile.py --tokens 1 8 64 512 4096)
+    [ -z "${NO_PROFILE:-}" ] && (cd benchmarks && timeout 120 python3 moe_layer_profile.py --tokens 1 8 64 512 4096)
     bench_run moe_b1 230 latency --random-weights $M --batch-size 1 --input-len 128 --output-len 128 --num-iters 3
-    bench_run moe_t1024 300 throughput --random-weights $M --num-requests 1024 --input-len 128 --output-len 128
+    ;;
+  moe_throughput)  # 1024 x 128/128 of the MoE shape: its warmup compiles 40 steps of ~30 s each (an H100, 8 threads)
+    M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
+    bench_run moe_t1024 560 throughput --random-weights $M --num-requests 1024 --input-len 128 --output-len 128
     ;;
   moe_fp8)  # the MoE shape with FP8 weights (linears and expert stacks: ~31 GB for qwen3-30b-a3b) and FP8 KV
     M=${MODEL/llama-3.1-8b/qwen3-30b-a3b}
@@ -116,6 +122,13 @@ case "${1:-}" in
     bench_run latency_b1_bf16 150 "${B1[@]}"
     bench_run latency_b1_fp8 150 "${B1[@]}" --quantization fp8 --kv-cache-dtype fp8
     bench_run latency_b1_fp8_head 150 "${B1[@]}" --quantization fp8 --kv-cache-dtype fp8 --quantize-lm-head
+    ;;
+  fp8_profile)  # the decode step kernel by kernel, bf16 then FP8 weights + FP8 KV, per batch size
+    P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)
+    for b in ${BATCHES:-1}; do
+      profile_run b${b}_c192 120 "${P[@]}" --batch $b
+      profile_run b${b}_c192_fp8 120 "${P[@]}" --batch $b --quantization fp8 --kv-cache-dtype fp8
+    done
     ;;
   fp8_throughput)  # 1024 x 128/128 with FP8 weights and KV (the bf16 figure: `throughput` on the same start)
     bench_run t1024_fp8 400 throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128 --quantization fp8 --kv-cache-dtype fp8
@@ -137,14 +150,20 @@ case "${1:-}" in
       --lora-adapters 4 --max-lora-rank 16
     ;;
   lora_delta)  # the batch-1 decode step kernel by kernel: no adapters, 4 rank-16 slots (XLA's products, the Pallas
-    # kernels), the batch-1 bench, then XLA's products written in bf16 (last: the first cut if the call runs long)
+    # kernels), the batch-1 bench, then XLA's products written in float32 (last: the first cut if the call runs long)
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
     profile_run b1_c192 120 "${P[@]}"
     profile_run b1_c192_lora4 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
     profile_run b1_c192_lora4_pallas 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta pallas
     bench_run latency_b1_lora4 170 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 \
       --num-iters 3 --lora-adapters 4 --max-lora-rank 16
-    profile_run b1_c192_lora4_bf16 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta bf16
+    profile_run b1_c192_lora4_f32 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta float32
+    ;;
+  lora_pallas)  # the batch-1 decode step kernel by kernel: no adapters, XLA's products, the Pallas kernels
+    P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
+    profile_run b1_c192 90 "${P[@]}"
+    profile_run b1_c192_lora4 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
+    profile_run b1_c192_lora4_pallas 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta pallas
     ;;
   lora_profile)  # the batch-1 and batch-32 decode steps kernel by kernel, without and with 4 rank-16 adapter slots
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)

@@ -84,9 +84,11 @@ class ModelCosts:
         return self.weight_bytes + self.experts_hit(num_tokens) * self.expert_bytes
 
 
-def model_costs(name: str) -> ModelCosts:
+def model_costs(name: str, fp8_weights: bool = False, fp8_kv: bool = False) -> ModelCosts:
     """The shape's costs: per layer the attention's q/k/v/o matrices and its MLP (a dense SwiGLU; or the router,
-    top_k routed experts and the shared expert, of which every step reads all but the routed experts)."""
+    top_k routed experts and the shared expert, of which every step reads all but the routed experts). fp8_weights:
+    the layers' matrices at one byte a value (`--quantization fp8`: embedding and lm_head stay bf16); fp8_kv: K and
+    V at one byte a value."""
     _, cfg = registry.resolve(shapes.shape(name))
     hidden, q_width, kv_width = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = hidden * (2 * q_width + 2 * kv_width) * cfg.num_layers
@@ -104,14 +106,15 @@ def model_costs(name: str) -> ModelCosts:
         num_experts, top_k = mlp.num_experts, mlp.top_k
     head = cfg.vocab_size * hidden
     embedding = 0 if cfg.tie_word_embeddings else head
+    linear_bytes, kv_value_bytes = (1 if fp8_weights else 2), (1 if fp8_kv else 2)
     return ModelCosts(
         layer_params=attention + active,
         head_params=head,
-        weight_bytes=2 * (attention + read + head + embedding),
-        kv_bytes=2 * kv_width * 2,
+        weight_bytes=linear_bytes * (attention + read) + 2 * (head + embedding),
+        kv_bytes=2 * kv_width * kv_value_bytes,
         pair_flops=4 * q_width,
         windows=tuple(layer.sliding_window for layer in cfg.attention_layers),
-        expert_bytes=2 * expert,
+        expert_bytes=linear_bytes * expert,
         num_experts=num_experts,
         top_k=top_k,
     )
@@ -133,8 +136,11 @@ def step_cost_ms(costs: ModelCosts, num_tokens: int, num_rows: int, decode_rows,
     """One step: the bucket's GEMMs or its weights' bytes, each decode row's keys in every layer, each prefill
     chunk's query-key pairs in every layer. Rows are (start, num_tokens)."""
     bw, mm = args.bandwidth * 1e12, args.matmul_tflops * 1e12
-    flops = 2 * costs.layer_params * num_tokens + 2 * costs.head_params * num_rows
-    gemm = max(costs.step_weight_bytes(num_tokens) / bw, flops / mm)
+    layer_mm = (args.fp8_tflops if args.quantization == "fp8" else args.matmul_tflops) * 1e12
+    gemm = max(
+        costs.step_weight_bytes(num_tokens) / bw,
+        2 * costs.layer_params * num_tokens / layer_mm + 2 * costs.head_params * num_rows / mm,
+    )
     kv_read = sum(keys_read(start, 1, w) for start, _ in decode_rows for w in costs.windows)
     pairs = sum(keys_read(start, n, w) for start, n in prefill_rows for w in costs.windows)
     attention = kv_read * costs.kv_bytes / bw + pairs * costs.pair_flops / (mm / 2)
@@ -153,7 +159,7 @@ def simulate(args) -> dict:
     )
     buckets = BucketTable.from_config(config, "pallas")
     block_size = config.kv_cache.block_size
-    model = model_costs(args.shape)
+    model = model_costs(args.shape, args.quantization == "fp8", args.kv_cache_dtype == "fp8")
     layout = kv_layout(model.windows, keep_window_only=not args.no_sliding_window_kv)
     page_bytes = block_size * layout.layers_per_page * model.kv_bytes
     if args.kv_gib is not None:
@@ -235,7 +241,14 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.3, help="TB/s")
     parser.add_argument("--matmul-tflops", type=float, default=640.0, help="the GEMMs' rate, TFLOP/s")
     parser.add_argument("--overhead-ms", type=float, default=0.6, help="per step: small kernels, launch gaps")
+    parser.add_argument(
+        "--quantization", choices=["fp8"], default=None, help="the layers' linear weights in FP8 (one byte a value)"
+    )
+    parser.add_argument("--fp8-tflops", type=float, default=None, help="with --quantization fp8: the layers' GEMM rate")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: one byte a K/V value")
     args = parser.parse_args()
+    if args.quantization == "fp8" and args.fp8_tflops is None:
+        parser.error("--quantization fp8 needs --fp8-tflops (the card's FP8 matmul rate)")
     start = time.perf_counter()
     result = simulate(args)
     print(f"simulated in {time.perf_counter() - start:.1f} s")

@@ -173,11 +173,14 @@ def parse_args() -> argparse.Namespace:
     add("--max-lora-rank", type=int, default=16)
     add(
         "--lora-delta",
-        choices=["library", "bf16", "pallas"],
+        choices=["library", "float32", "pallas"],
         default="library",
-        help="bf16: the adapters' products written in the step's dtype (lora.lora_delta's result_dtype), not float32; "
-        "pallas: the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; one device)",
+        help="float32: the adapters' products written in float32 and cast after (lora.lora_delta's result_dtype), "
+        "not in the step's dtype; pallas: the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; "
+        "one device)",
     )
+    add("--quantization", choices=["fp8"], default=None, help="the linear weights in FP8 (EngineConfig.quantization)")
+    add("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the KV pool in float8_e4m3fn")
     add("--top", type=int, default=25)
     add("--out", default="step_profile.csv")
     add("--trace-dir", default=None, help="default: next to --out")
@@ -212,10 +215,21 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
         attention_backend=args.backend,
         dtype=args.dtype,
         lora=lora,
+        quantization=args.quantization,
     )
     steps = StepConfig.from_config(config, cfg.vocab_size)
     backend = resolve_backend(config.attention_backend)
-    spec = RunnerSpec(family, cfg, steps, jnp.dtype(args.dtype), backend, MAX_LOGPROBS, lora=lora)
+    spec = RunnerSpec(
+        family,
+        cfg,
+        steps,
+        jnp.dtype(args.dtype),
+        backend,
+        MAX_LOGPROBS,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        lora=lora,
+    )
     runner = Runner(spec, weights)
     num_blocks = 1 + args.batch * -(-(args.context + 1) // steps.buckets.block_size)
     seconds = runner.start(num_blocks, show_progress=False)
@@ -406,17 +420,20 @@ def kernel_table(events: list[Event], steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def step_costs(cfg: Any, specs: Any, work: Workload, itemsize: int) -> dict[str, Cost]:
-    """Bytes and flops each floored group must move and compute in one step (module docstring)."""
+def step_costs(
+    cfg: Any, specs: Any, work: Workload, itemsize: int, weight_itemsize: int, kv_itemsize: int
+) -> dict[str, Cost]:
+    """Bytes and flops each floored group must move and compute in one step (module docstring): the layers'
+    weights of weight_itemsize bytes (1 in FP8), the KV cache's of kv_itemsize, the rest of itemsize."""
     leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     layer_params = sum(math.prod(s.shape) for s in leaves if s.logical_axes[0] == "layers" and len(s.shape) >= 3)
     D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     T, B = work.bucket.num_tokens, work.bucket.num_seqs
-    kv_token = 2 * L * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_token = 2 * L * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     q, kv = work.q_lens.astype(np.float64), work.kv_lens.astype(np.float64)
     pairs = float(np.sum(q * (kv - q) + q * (q + 1) / 2))
     costs = {
-        "layer_gemm": Cost(layer_params * itemsize, 2 * T * layer_params),
+        "layer_gemm": Cost(layer_params * weight_itemsize, 2 * T * layer_params),
         "lm_head": Cost(D * V * itemsize, 2 * B * D * V),
         "attention": Cost(float(kv.sum()) * kv_token, 4 * L * cfg.num_heads * cfg.head_dim * pairs),
         "write_kv": Cost(float(q.sum()) * kv_token, 0.0),
@@ -656,8 +673,8 @@ def write_outputs(out: str, profiles: list[Profile], extra: dict) -> None:
 def main() -> None:
     args = parse_args()
     # What quant.linear calls for an adapted linear, replaced before anything is traced.
-    if args.lora_delta == "bf16":
-        quant.add_lora = lambda base, x, w: base + lora.lora_delta(x, w, result_dtype=x.dtype)
+    if args.lora_delta == "float32":
+        quant.add_lora = lambda base, x, w: base + lora.lora_delta(x, w, result_dtype=jnp.float32)
     elif args.lora_delta == "pallas":
         quant.add_lora = lora.add_lora_kernels
     args.trace_dir = args.trace_dir or os.path.splitext(args.out)[0] + "_traces"
@@ -678,7 +695,10 @@ def main() -> None:
         works.append(prefill_workload(steps, args.prefill, args.batch, args.context, params, args.lora_adapters))
     specs = family.param_specs(cfg)
     args.weight_shapes = weight_shapes(specs)
-    costs = {w.name: step_costs(cfg, specs, w, jnp.dtype(args.dtype).itemsize) for w in works}
+    itemsize = jnp.dtype(args.dtype).itemsize
+    weight_itemsize = 1 if args.quantization else itemsize
+    kv_itemsize = 1 if args.kv_cache_dtype == "fp8" else itemsize
+    costs = {w.name: step_costs(cfg, specs, w, itemsize, weight_itemsize, kv_itemsize) for w in works}
     for w in works:
         print_costs(costs[w.name], rates, w.name)
     profiles = []

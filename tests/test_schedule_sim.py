@@ -48,9 +48,19 @@ def test_a_dense_model_reads_every_weight_whatever_its_tokens():
     assert costs.step_weight_bytes(1) == costs.step_weight_bytes(4096) == costs.weight_bytes
 
 
+def test_fp8_weights_and_kv_cost_one_byte_a_value_but_embedding_and_lm_head():
+    bf16, fp8 = schedule_sim.model_costs("llama-3.1-8b"), schedule_sim.model_costs("llama-3.1-8b", True, True)
+    assert fp8.weight_bytes == pytest.approx(9.08e9, rel=1e-3)  # 6.98 GB of e4m3 linears + 2 x 1.05 GB bf16
+    assert fp8.kv_bytes * 2 == bf16.kv_bytes and fp8.layer_params == bf16.layer_params
+    # A prefill-sized step is flops-bound: its layers' GEMMs at the FP8 rate, the lm_head's at the bf16 one.
+    rates = SimpleNamespace(bandwidth=1e3, matmul_tflops=500.0, fp8_tflops=1000.0, overhead_ms=0.0, quantization="fp8")
+    expected_ms = 1e3 * (2 * fp8.layer_params * 8192 / 1e15 + 2 * fp8.head_params * 4 / 5e14)
+    assert schedule_sim.step_cost_ms(fp8, 8192, 4, [], [], rates) == pytest.approx(expected_ms)
+
+
 def test_a_moe_decode_step_costs_the_experts_it_hits():
     costs = schedule_sim.model_costs("qwen3-30b-a3b")
-    rates = SimpleNamespace(bandwidth=1.0, matmul_tflops=1e6, overhead_ms=0.0)  # bytes-bound: 1 TB/s
+    rates = SimpleNamespace(bandwidth=1.0, matmul_tflops=1e6, overhead_ms=0.0, quantization=None)  # 1 TB/s
     for rows in (1, 8, 64):
         expected_ms = 1e3 * costs.step_weight_bytes(rows) / 1e12
         assert schedule_sim.step_cost_ms(costs, rows, rows, [], [], rates) == pytest.approx(expected_ms)
