@@ -27,7 +27,8 @@
 #                                             # and its step's profile; lora_delta: the batch-1 step's
 #                                             # profile without adapters, with them (XLA's products, the
 #                                             # Pallas kernels: --lora-delta pallas; float32: written in float32),
-#                                             # then the batch-1 bench; lora_pallas: those three profiles only
+#                                             # then the batch-1 bench; lora_pallas: those three profiles, and
+#                                             # the shrink kernel with XLA's expand (--lora-delta shrink)
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -159,11 +160,13 @@ case "${1:-}" in
       --num-iters 3 --lora-adapters 4 --max-lora-rank 16
     profile_run b1_c192_lora4_f32 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta float32
     ;;
-  lora_pallas)  # the batch-1 decode step kernel by kernel: no adapters, XLA's products, the Pallas kernels
+  lora_pallas)  # the batch-1 decode step kernel by kernel: no adapters, XLA's products, the Pallas kernels, the shrink
+    # kernel with XLA's expand
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
     profile_run b1_c192 90 "${P[@]}"
     profile_run b1_c192_lora4 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
     profile_run b1_c192_lora4_pallas 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta pallas
+    profile_run b1_c192_lora4_shrink 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta shrink
     ;;
   lora_profile)  # the batch-1 and batch-32 decode steps kernel by kernel, without and with 4 rank-16 adapter slots
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)

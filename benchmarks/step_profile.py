@@ -173,11 +173,11 @@ def parse_args() -> argparse.Namespace:
     add("--max-lora-rank", type=int, default=16)
     add(
         "--lora-delta",
-        choices=["library", "float32", "pallas"],
+        choices=["library", "float32", "pallas", "shrink"],
         default="library",
         help="float32: the adapters' products written in float32 and cast after (lora.lora_delta's result_dtype), "
         "not in the step's dtype; pallas: the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; "
-        "one device)",
+        "one device); shrink: its shrink kernel for x @ a, the rest XLA's (lora.add_lora_shrink_kernel)",
     )
     add("--quantization", choices=["fp8"], default=None, help="the linear weights in FP8 (EngineConfig.quantization)")
     add("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the KV pool in float8_e4m3fn")
@@ -677,6 +677,8 @@ def main() -> None:
         quant.add_lora = lambda base, x, w: base + lora.lora_delta(x, w, result_dtype=jnp.float32)
     elif args.lora_delta == "pallas":
         quant.add_lora = lora.add_lora_kernels
+    elif args.lora_delta == "shrink":
+        quant.add_lora = lora.add_lora_shrink_kernel
     args.trace_dir = args.trace_dir or os.path.splitext(args.out)[0] + "_traces"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     enable_compilation_cache(None)

@@ -1,7 +1,8 @@
 """LoRA's low-rank product added to a base product, for a batch of rows that each name an adapter slot: two Pallas
 (Triton) kernels and their jnp reference. Measured slower than XLA's products on an H100 (docs/kernels.md, "LoRA
 kernels"): the engine runs `jaxserve.models.lora.add_lora` (XLA's GEMMs); `add_lora_kernels` there runs these
-(`benchmarks/step_profile.py --lora-delta pallas`).
+(`benchmarks/step_profile.py --lora-delta pallas`). `lora_shrink` is the shrink alone with its partial sums added
+by XLA, for XLA's expand after it (`add_lora_shrink_kernel`, `--lora-delta shrink`): not yet measured.
 
     out = base + ((x @ a) * mask) @ b     x [T, K], a [K, S*C], b [S*C, N], base and out [T, N]
 
@@ -133,27 +134,52 @@ def _expand_kernel(partial_ref, slots_ref, b_ref, base_ref, out_ref, *, p: LoraP
     plgpu.store(out_ref.at[out_idx], out.astype(out_ref.dtype), mask=out_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("cols_per_slot", "interpret"))
-def _lora_add(x, a, b, slots, base, *, cols_per_slot: int, interpret: bool):
-    p = lora_params(x.shape[0], x.shape[1], a.shape[1], b.shape[1], cols_per_slot)
-    params = plgpu.CompilerParams(num_warps=4, num_stages=3)
-    partials = pl.pallas_call(
+_COMPILER_PARAMS = dict(num_warps=4, num_stages=3)
+
+
+def _shrink_partials(x: jax.Array, a: jax.Array, p: LoraParams, interpret: bool) -> jax.Array:
+    """The shrink kernel: x @ a as [splits, T, S*C] float32 partial sums over K."""
+    return pl.pallas_call(
         functools.partial(_shrink_kernel, p=p),
         out_shape=jax.ShapeDtypeStruct((p.splits, p.num_rows, p.dim_slots), jnp.float32),
         grid=(pl.cdiv(p.num_rows, p.block_m), pl.cdiv(p.dim_slots, p.block_c), p.splits),
-        compiler_params=params,
+        compiler_params=plgpu.CompilerParams(**_COMPILER_PARAMS),
         interpret=interpret,
         name="lora_shrink",
     )(x, a)
+
+
+@functools.partial(jax.jit, static_argnames=("cols_per_slot", "interpret"))
+def _lora_add(x, a, b, slots, base, *, cols_per_slot: int, interpret: bool):
+    p = lora_params(x.shape[0], x.shape[1], a.shape[1], b.shape[1], cols_per_slot)
     return pl.pallas_call(
         functools.partial(_expand_kernel, p=p),
         out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype),
         grid=(pl.cdiv(p.num_rows, p.block_m), pl.cdiv(p.dim_out, p.block_n)),
         input_output_aliases={3: 0},  # the base product, updated in place
-        compiler_params=params,
+        compiler_params=plgpu.CompilerParams(**_COMPILER_PARAMS),
         interpret=interpret,
         name="lora_expand",
-    )(partials, slots, b, base)
+    )(_shrink_partials(x, a, p, interpret), slots, b, base)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _lora_shrink(x, a, *, interpret: bool):
+    p = lora_params(x.shape[0], x.shape[1], a.shape[1], 1, a.shape[1])
+    return jnp.sum(_shrink_partials(x, a, p, interpret), axis=0)
+
+
+def lora_shrink(x: Float[Array, "T K"], a: Float[Array, "K SC"], *, interpret: bool = False) -> Float[Array, "T SC"]:
+    """x @ a in float32: the shrink kernel's partial sums over K, added by XLA (one small reduction), for a caller
+    that does the rest with XLA (`jaxserve.models.lora.add_lora_shrink_kernel`). x and a in one float dtype."""
+    if x.ndim != 2 or a.ndim != 2 or a.shape[0] != x.shape[1]:
+        raise ValueError(f"x [T, K] and a [K, S*C] must chain, got {x.shape} and {a.shape}")
+    if not x.dtype == a.dtype or jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"x and a must share a float dtype, got {x.dtype} and {a.dtype}")
+    if x.shape[0] == 0:
+        return jnp.zeros((0, a.shape[1]), jnp.float32)
+    filter_triton_deprecation()
+    return _lora_shrink(x, a, interpret=interpret)
 
 
 def lora_add(

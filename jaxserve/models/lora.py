@@ -79,9 +79,17 @@ def lora_delta(x: Array, w: LoraLinear, result_dtype: Any = None) -> Array:
     rows = x.ndim - num_in
     x_in, a_in = tuple(range(rows, x.ndim)), tuple(range(num_in))
     xa = jax.lax.dot_general(x, w.a, ((x_in, a_in), ((), ())), preferred_element_type=result_dtype)  # [T, S, P*R]
-    xa = (xa * w.onehot[..., None].astype(result_dtype)).astype(x.dtype)
+    return lora_expand(xa, w, x.dtype, result_dtype)
+
+
+def lora_expand(xa: Array, w: LoraLinear, dtype: Any, result_dtype: Any) -> Array:
+    """`lora_delta`'s second half: x @ a ([*rows, S, P*R], any float dtype) kept to each row's slot and cast to
+    `dtype`, times b: the GEMM writes result_dtype (accumulating in float32), cast to `dtype`."""
+    rows = xa.ndim - 2
+    xa = (xa * w.onehot[..., None].astype(xa.dtype)).astype(dtype)
     slots_and_rank = ((rows, rows + 1), (0, 1))
-    return jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=result_dtype).astype(x.dtype)
+    delta = jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=result_dtype)
+    return delta.astype(dtype)
 
 
 def add_lora(base: Array, x: Array, w: LoraLinear) -> Array:
@@ -111,6 +119,20 @@ def add_lora_kernels(base: Array, x: Array, w: LoraLinear, *, interpret: bool = 
         interpret=interpret,
     )
     return out.reshape(*rows, *base.shape[len(rows) :])
+
+
+def add_lora_shrink_kernel(base: Array, x: Array, w: LoraLinear, *, interpret: bool = False) -> Array:
+    """`add_lora` with x @ a as the Pallas shrink kernel (`jaxserve.kernels.lora.lora_shrink`: K split over ~128
+    programs, where XLA makes a decode batch's x @ a one slow reduction over K) and the rest as XLA's
+    (`lora_expand`, the add); one device's unsplit tables. To be measured against `add_lora` on a GPU
+    (`benchmarks/step_profile.py --lora-delta shrink`)."""
+    from jaxserve.kernels.lora import lora_shrink
+
+    num_in = w.a.ndim - 2
+    rows = x.shape[: x.ndim - num_in]
+    dim_in = math.prod(x.shape[x.ndim - num_in :])
+    xa = lora_shrink(x.reshape(-1, dim_in), w.a.reshape(dim_in, -1), interpret=interpret)
+    return base + lora_expand(xa.reshape(*rows, *w.a.shape[-2:]), w, x.dtype, x.dtype)
 
 
 def bind(weights: Any, tables: tuple[dict[str, LoraTable], ...], slots: Int[Array, " T"]) -> Any:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels import lora as lk
-from jaxserve.models.lora import LoraLinear, lora_delta
+from jaxserve.models.lora import LoraLinear, add_lora, add_lora_shrink_kernel, lora_delta
 
 
 def _case(seed: int, rows: int, dim_in: int, slots: int, cols: int, dim_out: int, dtype):
@@ -54,6 +54,28 @@ def test_the_reference_is_the_engines_product():
         engine = base + lora_delta(x, tables)
     want = lk.lora_reference(x, a, b, row_slots, base, cols)
     np.testing.assert_allclose(np.asarray(want), np.asarray(engine), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_the_shrink_alone_is_x_at_a_and_serves_the_engines_product(shape):
+    """lora_shrink (its partial sums over K added by XLA) is x @ a; with XLA's expand (add_lora_shrink_kernel) it
+    gives add_lora's product on the engine's table layout, here with wqkv's two input axes."""
+    rows, dim_in, slots, cols, dim_out = shape
+    x, a, b, row_slots, base = _case(sum(shape), rows, dim_in, slots, cols, dim_out, jnp.float32)
+    want = jnp.dot(x, a, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(lk.lora_shrink(x, a, interpret=True)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    onehot = jax.nn.one_hot(row_slots, slots, dtype=jnp.float32)
+    tables = LoraLinear(None, a.reshape(2, dim_in // 2, slots, cols), b.reshape(slots, cols, dim_out), onehot)
+    x2 = x.reshape(rows, 2, dim_in // 2)
+    got = add_lora_shrink_kernel(base, x2, tables, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        engine = add_lora(base, x2, tables)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(engine), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must chain"):
+        lk.lora_shrink(x, a[:-1], interpret=True)
+    with pytest.raises(TypeError, match="share a float dtype"):
+        lk.lora_shrink(x, a.astype(jnp.bfloat16), interpret=True)
 
 
 def test_the_split_of_k_keeps_a_decode_batchs_programs_busy():
