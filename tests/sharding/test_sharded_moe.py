@@ -1,9 +1,9 @@
 """Mixture-of-experts models on tp=2 and tp=4 CPU meshes, with tensor-parallel experts (the default rules table:
 each expert's hidden split over the model axis) and with expert parallelism (EXPERT_PARALLEL_RULES: whole experts
 split over it), the dense forward partitioned by XLA, give the single-device logits. Qwen2-MoE (dense and expert
-layers, a shared expert, 8 experts) and Mixtral (4 experts: one a device at tp=4, a window of 8). The paged pallas
-backend too, its grouped GEMM kernels per device under shard_map as each table splits the experts (a prefill step
-against one device's xla backend).
+layers, a shared expert, 8 experts) on 2 devices and Mixtral (4 experts: one a device, a window of 8) on 4. The
+paged pallas backend too, its grouped GEMM kernels per device under shard_map as each table splits the experts (a
+prefill step against one device's xla backend).
 
 jax fixes its device count when it starts, so the check runs in a fresh process with four host devices.
 """
@@ -14,10 +14,11 @@ import textwrap
 
 import pytest
 
-# The paged pallas backend's meshes (each interpret-compiled: a few seconds on a 2-core CPU): Qwen2-MoE's 8
-# experts on 2 devices, Mixtral's 4 on 4 (one expert a device under expert parallelism).
-PALLAS_MESHES = (("qwen2_moe", 2), ("mixtral", 4))
-CHECK = f"PALLAS_MESHES = {PALLAS_MESHES!r}\n" + textwrap.dedent(
+# The meshes, each under both rules tables, for the XLA-partitioned forward and the paged pallas backend (each
+# interpret-compiled: a few seconds on a 2-core CPU): Qwen2-MoE's 8 experts on 2 devices, Mixtral's 4 on 4 (one
+# expert a device under expert parallelism). Each family on one mesh size: both sizes and both families covered.
+MESHES = (("qwen2_moe", 2), ("mixtral", 4))
+CHECK = f"MESHES = {MESHES!r}\n" + textwrap.dedent(
     """
     import json
     import jax, jax.numpy as jnp, numpy as np
@@ -55,7 +56,7 @@ CHECK = f"PALLAS_MESHES = {PALLAS_MESHES!r}\n" + textwrap.dedent(
         cache = init_dense_cache(cfg, 1, 32, jnp.float32)
         single = jax.jit(logits_of)(family.to_serving(checkpoint, cfg), cache)
         expert_layer = cfg.moe_layers[0]
-        for tp in (2, 4):
+        for tp in [tp for mesh_name, tp in MESHES if mesh_name == name]:
             mesh = make_mesh(tp=tp)
             for rules_name, rules in RULES.items():
                 shardings = named_shardings(family.serving_specs(cfg), mesh, rules)
@@ -105,7 +106,7 @@ CHECK = f"PALLAS_MESHES = {PALLAS_MESHES!r}\n" + textwrap.dedent(
             start += count
         return logits, jaxprs
 
-    for name, tp in PALLAS_MESHES:
+    for name, tp in MESHES:
         family, cfg, checkpoint = models[name]
         single, _ = paged_logits(family, cfg, family.to_serving(checkpoint, cfg), "xla", None, None)
         mesh = make_mesh(tp=tp)
@@ -149,8 +150,7 @@ def sharded_results(run_with_host_devices) -> dict:
     return run_with_host_devices(CHECK, num_devices=4)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize(("family", "tp"), MESHES)
 @pytest.mark.parametrize("rules", ["tensor_parallel", "expert_parallel"])
 def test_sharded_moe_logits_equal_single_device(sharded_results: dict, family: str, tp: int, rules: str) -> None:
     result = sharded_results[f"{family} tp={tp} {rules}"]
@@ -164,7 +164,7 @@ def test_sharded_moe_logits_equal_single_device(sharded_results: dict, family: s
     assert result["err"] < 1e-5, result
 
 
-@pytest.mark.parametrize(("family", "tp"), PALLAS_MESHES)
+@pytest.mark.parametrize(("family", "tp"), MESHES)
 @pytest.mark.parametrize("rules", ["tensor_parallel", "expert_parallel"])
 def test_sharded_pallas_moe_logits_equal_single_device(sharded_results: dict, family: str, tp: int, rules: str) -> None:
     """The grouped GEMM kernels per device (each device's F slice of every expert, or its E / tp whole experts
