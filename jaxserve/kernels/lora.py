@@ -165,7 +165,8 @@ def _lora_add(x, a, b, slots, base, *, cols_per_slot: int, interpret: bool):
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _lora_shrink(x, a, *, interpret: bool):
-    p = lora_params(x.shape[0], x.shape[1], a.shape[1], 1, a.shape[1])
+    # The shrink's tiles and split; the expand's output width and slot columns play no part in them.
+    p = lora_params(x.shape[0], x.shape[1], a.shape[1], dim_out=1, cols_per_slot=a.shape[1])
     return jnp.sum(_shrink_partials(x, a, p, interpret), axis=0)
 
 

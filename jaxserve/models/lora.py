@@ -103,15 +103,12 @@ def add_lora_kernels(base: Array, x: Array, w: LoraLinear, *, interpret: bool = 
     (docs/kernels.md), so the engine runs that; `benchmarks/step_profile.py --lora-delta pallas` runs this."""
     from jaxserve.kernels.lora import lora_add
 
-    num_in = w.a.ndim - 2
-    rows = x.shape[: x.ndim - num_in]
+    rows, x2, a2 = _flat(x, w)
     num_slots, cols = w.a.shape[-2:]
-    dim_in = math.prod(x.shape[x.ndim - num_in :])
-    x2 = x.reshape(-1, dim_in)
     slots = jnp.argmax(w.onehot, axis=-1).astype(jnp.int32).reshape(-1)
     out = lora_add(
         x2,
-        w.a.reshape(dim_in, num_slots * cols),
+        a2,
         w.b.reshape(num_slots * cols, -1),
         slots,
         base.reshape(x2.shape[0], -1),
@@ -128,11 +125,16 @@ def add_lora_shrink_kernel(base: Array, x: Array, w: LoraLinear, *, interpret: b
     (`benchmarks/step_profile.py --lora-delta shrink`)."""
     from jaxserve.kernels.lora import lora_shrink
 
-    num_in = w.a.ndim - 2
-    rows = x.shape[: x.ndim - num_in]
-    dim_in = math.prod(x.shape[x.ndim - num_in :])
-    xa = lora_shrink(x.reshape(-1, dim_in), w.a.reshape(dim_in, -1), interpret=interpret)
+    rows, x2, a2 = _flat(x, w)
+    xa = lora_shrink(x2, a2, interpret=interpret)
     return base + lora_expand(xa.reshape(*rows, *w.a.shape[-2:]), w, x.dtype, x.dtype)
+
+
+def _flat(x: Array, w: LoraLinear) -> tuple[tuple[int, ...], Array, Array]:
+    """What the kernels take: x's leading (row) axes, x as [rows, K] and a as [K, S*P*R] (its input axes flat)."""
+    num_in = w.a.ndim - 2
+    dim_in = math.prod(x.shape[x.ndim - num_in :])
+    return x.shape[: x.ndim - num_in], x.reshape(-1, dim_in), w.a.reshape(dim_in, -1)
 
 
 def bind(weights: Any, tables: tuple[dict[str, LoraTable], ...], slots: Int[Array, " T"]) -> Any:
