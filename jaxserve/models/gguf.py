@@ -7,8 +7,9 @@ under their Hugging Face names, so `jaxserve/models/loader.py` assembles them wi
 checkpoint rules.
 
 Three llama.cpp conventions are undone here:
-  - ggml lists a tensor's dims fastest-moving first; `GGUFReader` already hands numpy arrays in
-    row-major order, i.e. a Linear weight comes back as Hugging Face's [out, in];
+  - ggml lists a tensor's dims fastest-moving first; the memory-mapped arrays (`GGUFTensor.data`, laid out as
+    gguf's `GGUFReader` lays them out) are in row-major order, i.e. a Linear weight comes back as Hugging
+    Face's [out, in];
   - for the "llama" architecture, `convert_hf_to_gguf.py` permutes the rows of q_proj and k_proj
     (per head, it interleaves the two rotary halves because llama.cpp's rope rotates adjacent
     pairs); we permute them back so the Hugging Face (half-split) rope applies. It permutes no
@@ -34,11 +35,14 @@ instead of metadata; we recover the "llama3" scaling parameters from it and chec
 reproduce the tensor exactly, and refuse the file otherwise.
 
 Building the tokenizer does not go through `AutoTokenizer.from_pretrained(..., gguf_file=...)`:
-that path imports torch (transformers' GGUF reader needs it). We read the metadata with the `gguf`
-package and hand it to transformers' torch-free GGUF tokenizer converter instead.
+that path imports torch (transformers' GGUF reader needs it). We hand the metadata to transformers' torch-free
+GGUF tokenizer converter instead.
 
-Parsing a GGUF file's metadata (a vocabulary of ~50k strings) takes seconds, so the parsed reader of
-the last two files is kept: loading a model and then its tokenizer parses the file once.
+The header (metadata and tensor table) is read by `jaxserve.models.files.read_gguf_header`, which checks it
+too, not by gguf's `GGUFReader`: that one builds numpy views of every string of a vocabulary, 2.9 s for
+SmolLM2's 49,152 tokens and 17 s for Gemma 3's 262,144 on a 2-core CPU, where the header read takes a tenth
+of a second and a third. The `gguf` package still supplies the ggml types, their block sizes and the
+dequantisation. The last two files read are kept: loading a model and then its tokenizer reads the file once.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.models.files import ModelFileError, check_gguf
+from jaxserve.models.files import ModelFileError, read_gguf_header
 
 # general.architecture -> Hugging Face `architectures` name and `model_type`. llama.cpp converts
 # Mistral 7B as "llama" and runs it with full attention; we read it the same way.
@@ -173,33 +177,43 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _field_value(field: Any) -> Any:
-    """One metadata value as Python (str, int, float, bool or a list of them), for any gguf version."""
-    from gguf import GGUFValueType
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, as gguf's reader gives it: its dims innermost first (`shape`), its ggml type,
+    and its bytes memory-mapped (`data`: typed for float and integer tensors, [..., bytes of a row] of uint8 for
+    quantized ones, what `gguf.quants.dequantize` takes)."""
 
-    def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
-        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
-    return scalar(field.parts[field.data[0]], field.types[0])
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray
 
 
-def read_metadata(reader: Any, *, skip_arrays: bool = True) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class GGUFFile:
+    """A GGUF file's metadata (key -> str, int, float, bool or a list of them) and its tensors, memory-mapped."""
+
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# ggml types stored as plain numpy values (gguf's reader gives these typed arrays; every other type as bytes).
+_PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16}
+_PLAIN_TYPES |= {"I32": np.int32, "I64": np.int64}
+
+
+def read_metadata(file: GGUFFile, *, skip_arrays: bool = True) -> dict[str, Any]:
     """Metadata key -> value; big arrays (the vocabulary) are left out unless asked for."""
-    from gguf import GGUFValueType
-
-    metadata = {}
-    for key, field in reader.fields.items():
-        if skip_arrays and field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
-            continue
-        metadata[key] = _field_value(field)
-    return metadata
+    return {
+        key: value
+        for key, value in file.metadata.items()
+        if not (skip_arrays and isinstance(value, list) and len(value) > 64)
+    }
 
 
-def gguf_reader(path: str | os.PathLike) -> Any:
-    """A `gguf.GGUFReader` for the file; parsed once per file version (parsing the vocabulary takes seconds),
-    so loading a model and then its tokenizer reads the metadata once."""
+def gguf_reader(path: str | os.PathLike) -> GGUFFile:
+    """A GGUF file's metadata and tensors (`GGUFFile`); read once per file version, so loading a model and then its
+    tokenizer reads the header once."""
     path = Path(path).absolute()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -208,15 +222,31 @@ def gguf_reader(path: str | os.PathLike) -> Any:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
-    from gguf import GGUFReader
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    """The header as `jaxserve.models.files.read_gguf_header` reads and checks it (gguf's own `GGUFReader` takes
+    17 s over Gemma 3's vocabulary on a 2-core CPU), the tensors laid out as that reader lays them out."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
 
     del mtime_ns, size  # part of the cache key only: a rewritten file is parsed again
-    check_gguf(Path(path))  # GGUFReader reports a truncated file as a numpy reshape error, without the path
-    try:
-        return GGUFReader(path)
-    except (ValueError, KeyError, IndexError) as e:  # what check_gguf does not look at
-        raise ModelFileError(path, f"not a readable GGUF file ({type(e).__name__}: {e})") from e
+    header = read_gguf_header(Path(path))
+    data = np.memmap(path, mode="r")
+    order = "<" if header.byteorder == "little" else ">"
+    tensors = []
+    for name, dims, type_id, offset in header.tensors:
+        kind = GGMLQuantizationType(type_id)
+        start = header.data_start + offset
+        shape = tuple(reversed(dims))
+        if kind.name in _PLAIN_TYPES:
+            dtype = np.dtype(_PLAIN_TYPES[kind.name]).newbyteorder(order)
+            array = data[start : start + math.prod(dims) * dtype.itemsize].view(dtype).reshape(shape)
+        else:
+            block, type_bytes = GGML_QUANT_SIZES[kind]
+            array = data[start : start + math.prod(dims) // block * type_bytes].reshape(
+                quant_shape_to_byte_shape(shape, kind)
+            )
+        tensors.append(GGUFTensor(name, tuple(dims), kind, array))
+    return GGUFFile(header.metadata, tensors)
 
 
 @dataclass(slots=True)
@@ -225,7 +255,7 @@ class GGUFCheckpoint:
 
     path: Path
     hf_config: dict
-    reader: Any  # gguf.GGUFReader (memory-mapped)
+    reader: GGUFFile
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(Hugging Face name, float32 array), one tensor dequantised at a time."""
@@ -233,7 +263,7 @@ class GGUFCheckpoint:
 
         from jaxserve.models.llama_moe import expert_tensor_name
 
-        arch = _field_value(self.reader.fields["general.architecture"])
+        arch = self.reader.metadata["general.architecture"]
         model_type = self.hf_config["model_type"]
         permuted = arch in _PERMUTED_ARCHITECTURES
         shifted_norms = arch in _SHIFTED_NORM_ARCHITECTURES
@@ -472,7 +502,7 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> di
 
 def has_tokenizer(path: str | os.PathLike) -> bool:
     """Whether the GGUF file carries a tokenizer (a token list)."""
-    return "tokenizer.ggml.tokens" in gguf_reader(path).fields
+    return "tokenizer.ggml.tokens" in gguf_reader(path).metadata
 
 
 def gguf_tokenizer(path: str | os.PathLike) -> tuple[Any, tuple[int, ...]]:

@@ -178,3 +178,67 @@ def test_default_model_greedy_matches_transformers(default_gguf):
         theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
     assert ours == theirs[0, len(prompt) :].tolist()
     assert "Paris" in tokenizer.decode(ours)
+
+
+def _reader_value(field: gguf.ReaderField):
+    """A metadata value as gguf's own reader gives it, as Python."""
+    kind, parts = field.types, field.parts
+
+    def scalar(part: np.ndarray, item: gguf.GGUFValueType):
+        return bytes(part).decode("utf-8") if item == gguf.GGUFValueType.STRING else part.tolist()[0]
+
+    if kind[0] == gguf.GGUFValueType.ARRAY:
+        return [scalar(parts[i], kind[-1]) for i in field.data]
+    return scalar(parts[field.data[0]], kind[0])
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_header_read_equals_ggufs_own_reader(tmp_path, endianess):
+    """jaxserve reads GGUF headers itself (gguf's GGUFReader takes seconds over a vocabulary): every value type,
+    arrays of them, strings that are not ASCII, and tensors of float, integer and quantized types in either byte
+    order come out as gguf's reader gives them, values, types, shapes and bytes."""
+    from jaxserve.models.gguf import gguf_reader
+
+    path = tmp_path / f"{endianess.name.lower()}.gguf"
+    writer = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    writer.add_uint8("k.u8", 200)
+    writer.add_int8("k.i8", -7)
+    writer.add_uint16("k.u16", 60000)
+    writer.add_int16("k.i16", -30000)
+    writer.add_uint32("k.u32", 4_000_000_000)
+    writer.add_int32("k.i32", -2_000_000_000)
+    writer.add_float32("k.f32", 0.1)
+    writer.add_uint64("k.u64", 2**63 + 5)
+    writer.add_int64("k.i64", -(2**62))
+    writer.add_float64("k.f64", 1e-300)
+    writer.add_bool("k.bool", True)
+    writer.add_string("k.str", "Grüße, 世界")
+    writer.add_array("k.ints", [1, -2, 3])
+    writer.add_array("k.floats", [0.5, -1.25])
+    writer.add_array("k.bools", [True, False, True])
+    writer.add_array("k.strs", ["a", "", "ß" * 300, "\n"])
+    writer.add_custom_alignment(64)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.normal(size=(3, 5)).astype(np.float32))
+    writer.add_tensor("f16", rng.normal(size=(2, 4, 6)).astype(np.float16))
+    writer.add_tensor("i32", np.arange(7, dtype=np.int32))
+    q8 = gguf.quants.quantize(rng.normal(size=(4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("q8_0", q8, raw_shape=q8.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = gguf_reader(path), gguf.GGUFReader(path)
+    expected = {key: _reader_value(field) for key, field in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert ours.metadata == expected
+    for key, value in expected.items():  # ints stay ints, floats floats, bools bools
+        got = ours.metadata[key]
+        assert [type(v) for v in (got if isinstance(got, list) else [got])] == [
+            type(v) for v in (value if isinstance(value, list) else [value])
+        ], key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors] == ["f32", "f16", "i32", "q8_0"]
+    for got, want in zip(ours.tensors, theirs.tensors, strict=True):
+        assert got.shape == tuple(want.shape.tolist()) and got.tensor_type == want.tensor_type, got.name
+        assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape, got.name
+        np.testing.assert_array_equal(got.data, want.data)
