@@ -28,7 +28,8 @@
 #                                             # profile without adapters, with them (XLA's products, the
 #                                             # Pallas kernels: --lora-delta pallas; float32: written in float32),
 #                                             # then the batch-1 bench; lora_pallas: those three profiles, and
-#                                             # the shrink kernel with XLA's expand (--lora-delta shrink)
+#                                             # the shrink kernel with XLA's expand (--lora-delta shrink);
+#                                             # lora_linears: lora_linears.py (the products alone, 5 ways)
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -167,6 +168,11 @@ case "${1:-}" in
     profile_run b1_c192_lora4 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
     profile_run b1_c192_lora4_pallas 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta pallas
     profile_run b1_c192_lora4_shrink 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta shrink
+    ;;
+  lora_linears)  # the adapters' products by way of computing them, on the 8B shape's 32 layers of linears alone
+    # (lora_linears.py: XLA's, x @ a split over K by hand, the Pallas shrink, a folded into the base weight)
+    timeout 300 python3 benchmarks/lora_linears.py --rows 1,8,32 2>"$OUT/lora_linears.log" | tee "$OUT/lora_linears.txt"
+    grep -E "Error|error" "$OUT/lora_linears.log" | cut -c1-220 | tail -n 14
     ;;
   lora_profile)  # the batch-1 and batch-32 decode steps kernel by kernel, without and with 4 rank-16 adapter slots
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192)
