@@ -15,12 +15,25 @@ def test_generate_prints_the_greedy_continuation(capsys):
     assert "Paris" in out
 
 
-@pytest.mark.slow
-def test_generate_in_fp8_with_an_fp8_kv_cache(capsys):
-    """FP8 weights and KV on the default model still continue the prompt correctly."""
+def test_generate_passes_fp8_weights_and_an_fp8_kv_cache_to_the_engine(monkeypatch):
+    """The FP8 flags reach the LLM that generate builds (the FP8 engine on the default model: its quality is
+    tests/engine/test_quality.py's, its tokens against the dense reference tests/engine/test_fp8.py's)."""
+    import jaxserve.llm
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(jaxserve.llm, "LLM", record)
     args = ["generate", "The capital of France is", "--max-tokens", "8", "--quantization", "fp8"]
-    assert main([*args, "--kv-cache-dtype", "fp8"]) == 0
-    assert "Paris" in capsys.readouterr().out
+    with pytest.raises(Built):
+        main([*args, "--kv-cache-dtype", "fp8", "--quantize-lm-head"])
+    assert (seen["quantization"], seen["kv_cache_dtype"], seen["quantize_lm_head"]) == ("fp8", "fp8", True)
 
 
 @pytest.mark.slow
