@@ -15,6 +15,7 @@
 #                                             # moe_fp8: batch 1 and 1024 x 128/128 in FP8 (experts too) + FP8 KV
 #   bash benchmarks/gpu_engine.sh fp8         # batch 1 in bf16, FP8 weights + FP8 KV, and --quantize-lm-head;
 #                                             # fp8_throughput: 1024 x 128/128 in FP8 weights + FP8 KV;
+#                                             # fp8_long: `long`'s three jobs in FP8 weights + FP8 KV;
 #                                             # fp8_gemm: fp8_gemm.py's table (the products by layout, ~5 min);
 #                                             # fp8_profile: the batch-1 decode step kernel by kernel in bf16 and
 #                                             # in FP8 weights + FP8 KV (step_profile.py; BATCHES="1 32": more)
@@ -134,6 +135,12 @@ case "${1:-}" in
     ;;
   fp8_throughput)  # 1024 x 128/128 with FP8 weights and KV (the bf16 figure: `throughput` on the same start)
     bench_run t1024_fp8 400 throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128 --quantization fp8 --kv-cache-dtype fp8
+    ;;
+  fp8_long)  # `long`'s three jobs with FP8 weights and KV
+    L=(throughput --random-weights $MODEL --max-seq-len 2176 --quantization fp8 --kv-cache-dtype fp8)
+    bench_run t512_1000_1000_fp8 220 "${L[@]}" --num-requests 512 --input-len 1000 --output-len 1000
+    bench_run t256_2048_128_fp8 120 "${L[@]}" --num-requests 256 --input-len 2048 --output-len 128
+    bench_run t512_128_2048_fp8 180 "${L[@]}" --num-requests 512 --input-len 128 --output-len 2048
     ;;
   lora)  # the base model and 4 adapters of rank 16, same start (the bf16 figures the targets compare against)
     T=(throughput --random-weights $MODEL --num-requests 1024 --input-len 128 --output-len 128)
