@@ -16,31 +16,36 @@ from typing import Any
 import jax
 import pytest
 
-# Longest first: the files over ~30 s of worker time in a full run on a 2-core CPU with two workers (per-file sums
-# of `--durations=0`, 2026-12-07, after the attention reference gathered each sequence's K/V once a chunk of
-# query rows; the whole suite is ~2,000 worker-seconds): the Gemma 3 270M model (~165), the engine against the
-# dense reference and the backends (~130 each), the notebooks (~110), the two-process runs (~100), FP8 quality
-# and engine and the MoE meshes (~75-80 each), then the attention tilings, bench, GGUF, quantization,
-# completions, sharding, model and kernel files of 30-60 s.
+# Longest first: the files over ~40 s of worker time in a full run with cold step stores (what CI runs: any edit of
+# the jaxserve source changes every stored step's key) on a 2-core CPU with two workers (per-file sums of
+# `--durations=0`, 2026-12-07, the GGUF header read by jaxserve): the engine against the dense reference (~320),
+# the backends, FP8 quality, the Gemma 3 270M model and the notebooks (~140 each), the two-process runs (~130),
+# FP8 engine, CLI, MoE meshes, lazy compilation and bench (~90-105 each), then the attention tilings,
+# completions, quantization, kernel, GGUF, sharding and model files of 40-65 s. A file of ~100 s that happens to
+# be collected last would otherwise keep one worker busy for that long after the other has finished.
 LONGEST_FIRST = (
-    "tests/models/test_gemma3_270m.py",
     "tests/engine/test_engine.py",
     "tests/models/test_backends.py",
+    "tests/models/test_gemma3_270m.py",
+    "tests/engine/test_quality.py",
     "tests/test_notebooks.py",
     "tests/distributed/test_multiprocess.py",
-    "tests/engine/test_quality.py",
     "tests/engine/test_fp8.py",
+    "tests/test_cli.py",
     "tests/sharding/test_sharded_moe.py",
-    "tests/kernels/test_attention_variants.py",
+    "tests/engine/test_lazy.py",
     "tests/test_bench.py",
-    "tests/models/test_gguf.py",
-    "tests/models/test_quant.py",
+    "tests/kernels/test_attention_variants.py",
     "tests/server/test_completions.py",
-    "tests/sharding/test_sharded_pallas.py",
-    "tests/models/test_llama.py",
+    "tests/models/test_quant.py",
     "tests/kernels/test_ragged_paged_attention.py",
-    "tests/models/test_llama_moe.py",
+    "tests/models/test_gguf.py",
+    "tests/sharding/test_sharded_pallas.py",
+    "tests/sharding/test_sharded_forward.py",
+    "tests/models/test_llama.py",
+    "tests/sharding/test_expert_parallel.py",
     "tests/kernels/test_moe.py",
+    "tests/models/test_llama_moe.py",
     "tests/server/test_engine_process.py",
 )
 
