@@ -2,7 +2,8 @@
 (Triton) kernels and their jnp reference. Measured slower than XLA's products on an H100 (docs/kernels.md, "LoRA
 kernels"): the engine runs `jaxserve.models.lora.add_lora` (XLA's GEMMs); `add_lora_kernels` there runs these
 (`benchmarks/step_profile.py --lora-delta pallas`). `lora_shrink` is the shrink alone with its partial sums added
-by XLA, for XLA's expand after it (`add_lora_shrink_kernel`, `--lora-delta shrink`): not yet measured.
+by XLA, for XLA's expand after it (`add_lora_shrink_kernel`, `--lora-delta shrink`): on the 8B shape's linears
+alone it beats XLA's products at batch 1 only (docs/kernels.md), so the engine does not run it either.
 
     out = base + ((x @ a) * mask) @ b     x [T, K], a [K, S*C], b [S*C, N], base and out [T, N]
 

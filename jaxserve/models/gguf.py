@@ -39,10 +39,11 @@ that path imports torch (transformers' GGUF reader needs it). We hand the metada
 GGUF tokenizer converter instead.
 
 The header (metadata and tensor table) is read by `jaxserve.models.files.read_gguf_header`, which checks it
-too, not by gguf's `GGUFReader`: that one builds numpy views of every string of a vocabulary, 2.9 s for
-SmolLM2's 49,152 tokens and 17 s for Gemma 3's 262,144 on a 2-core CPU, where the header read takes a tenth
-of a second and a third. The `gguf` package still supplies the ggml types, their block sizes and the
-dequantisation. The last two files read are kept: loading a model and then its tokenizer reads the file once.
+too, not by gguf's `GGUFReader`: that one builds numpy views of every string of a vocabulary, 3.9 s for
+SmolLM2's 49,152 tokens and 16.9 s for Gemma 3's 262,144 on a 2-core CPU, where the header read takes 0.11 s
+and 0.26 s (docs/performance.md, "On a CPU"). The `gguf` package still supplies the ggml types, their block
+sizes and the dequantisation. The last two files read are kept: loading a model and then its tokenizer reads the
+file once.
 """
 
 from __future__ import annotations
@@ -231,14 +232,13 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
     del mtime_ns, size  # part of the cache key only: a rewritten file is parsed again
     header = read_gguf_header(Path(path))
     data = np.memmap(path, mode="r")
-    order = "<" if header.byteorder == "little" else ">"
     tensors = []
     for name, dims, type_id, offset in header.tensors:
         kind = GGMLQuantizationType(type_id)
         start = header.data_start + offset
         shape = tuple(reversed(dims))
         if kind.name in _PLAIN_TYPES:
-            dtype = np.dtype(_PLAIN_TYPES[kind.name]).newbyteorder(order)
+            dtype = np.dtype(_PLAIN_TYPES[kind.name]).newbyteorder(header.byteorder)
             array = data[start : start + math.prod(dims) * dtype.itemsize].view(dtype).reshape(shape)
         else:
             block, type_bytes = GGML_QUANT_SIZES[kind]

@@ -121,8 +121,8 @@ def add_lora_kernels(base: Array, x: Array, w: LoraLinear, *, interpret: bool = 
 def add_lora_shrink_kernel(base: Array, x: Array, w: LoraLinear, *, interpret: bool = False) -> Array:
     """`add_lora` with x @ a as the Pallas shrink kernel (`jaxserve.kernels.lora.lora_shrink`: K split over ~128
     programs, where XLA makes a decode batch's x @ a one slow reduction over K) and the rest as XLA's
-    (`lora_expand`, the add); one device's unsplit tables. To be measured against `add_lora` on a GPU
-    (`benchmarks/step_profile.py --lora-delta shrink`)."""
+    (`lora_expand`, the add); one device's unsplit tables. Faster than `add_lora` at batch 1 only, on the linears
+    alone (docs/kernels.md); `benchmarks/step_profile.py --lora-delta shrink` profiles it in the engine's step."""
     from jaxserve.kernels.lora import lora_shrink
 
     rows, x2, a2 = _flat(x, w)
