@@ -183,6 +183,19 @@ def test_corrupt_gguf_names_what_is_wrong(tmp_path, valid):
         assert str(raised.value) == f"{path}: corrupt GGUF file: {problem}"
 
 
+def test_a_vocabulary_string_that_is_not_utf8_is_named(tmp_path, valid):
+    """The header read decodes every string of an array (the vocabulary) and names the key of a bad one."""
+    data = bytearray(valid.gguf.read_bytes())
+    first_token = data.index("\u0100".encode(), data.index(b"tokenizer.ggml.tokens"))  # the writer's first token
+    data[first_token] = 0xFF
+    path = tmp_path / "bad_token.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelFileError) as raised:
+        load_model(path)
+    key = "the value of metadata key 'tokenizer.ggml.tokens'"
+    assert str(raised.value) == f"{path}: corrupt GGUF file: {key} is not UTF-8 (invalid start byte)"
+
+
 @pytest.mark.parametrize(
     "overrides,problem",
     [
