@@ -30,7 +30,9 @@
 #                                             # Pallas kernels: --lora-delta pallas; float32: written in float32),
 #                                             # then the batch-1 bench; lora_pallas: those three profiles, and
 #                                             # the shrink kernel with XLA's expand (--lora-delta shrink);
-#                                             # lora_linears: lora_linears.py (the products alone, 5 ways)
+#                                             # lora_linears: lora_linears.py (the products alone, 5 ways);
+#                                             # lora_fold: batch 1's step profiled without adapters, with
+#                                             # a folded into the weights (the default), with separate tables
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -162,7 +164,7 @@ case "${1:-}" in
     # kernels), the batch-1 bench, then XLA's products written in float32 (last: the first cut if the call runs long)
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
     profile_run b1_c192 120 "${P[@]}"
-    profile_run b1_c192_lora4 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
+    profile_run b1_c192_lora4 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta xla
     profile_run b1_c192_lora4_pallas 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta pallas
     bench_run latency_b1_lora4 170 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 \
       --num-iters 3 --lora-adapters 4 --max-lora-rank 16
@@ -172,7 +174,7 @@ case "${1:-}" in
     # kernel with XLA's expand
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
     profile_run b1_c192 90 "${P[@]}"
-    profile_run b1_c192_lora4 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
+    profile_run b1_c192_lora4 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta xla
     profile_run b1_c192_lora4_pallas 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta pallas
     profile_run b1_c192_lora4_shrink 90 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta shrink
     ;;
@@ -187,6 +189,13 @@ case "${1:-}" in
       profile_run b${b}_c192 150 "${P[@]}" --batch $b
       profile_run b${b}_c192_lora4 150 "${P[@]}" --batch $b --lora-adapters 4 --max-lora-rank 16
     done
+    ;;
+  lora_fold)  # the batch-1 decode step kernel by kernel: no adapters, 4 rank-16 slots folded into the weights (the
+    # engine's default on one device), separate tables (XLA's products, --lora-delta xla)
+    P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
+    profile_run b1_c192 120 "${P[@]}"
+    profile_run b1_c192_lora4_fold 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
+    profile_run b1_c192_lora4_xla 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta xla
     ;;
   lora_update)  # one rank-64 adapter on all seven projections: its update_lora time (lora.update_ms)
     bench_run latency_b1_lora_r64 200 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
@@ -232,5 +241,5 @@ case "${1:-}" in
     JAX_DEFAULT_MATMUL_PRECISION=highest timeout 500 python3 benchmarks/backend_parity.py --dtype float32 \
       2>"$OUT/parity.log" | tee "$OUT/parity.json"
     ;;
-  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|fp8_gemm|lora|lora_b1|lora_update|lora_profile|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: $0 ceilings|latency|throughput|long|sliding|moe|moe_fp8|moe_long|fp8|fp8_throughput|fp8_gemm|lora|lora_b1|lora_fold|lora_update|lora_profile|admission|client|serve|profile|parity|kernels" >&2; exit 2 ;;
 esac

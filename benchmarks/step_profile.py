@@ -173,9 +173,10 @@ def parse_args() -> argparse.Namespace:
     add("--max-lora-rank", type=int, default=16)
     add(
         "--lora-delta",
-        choices=["library", "float32", "pallas", "shrink"],
+        choices=["library", "xla", "float32", "pallas", "shrink"],
         default="library",
-        help="float32: the adapters' products written in float32 and cast after (lora.lora_delta's result_dtype), "
+        help="library: the engine's (a folded into the weights, lora.fold); xla: separate tables, XLA's products "
+        "(lora.add_lora); float32: those written in float32 and cast after (lora.lora_delta's result_dtype), "
         "not in the step's dtype; pallas: the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; "
         "one device); shrink: its shrink kernel for x @ a, the rest XLA's (lora.add_lora_shrink_kernel)",
     )
@@ -206,7 +207,8 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
         token_buckets=(tokens,),
         penalty_variants=False,
     )
-    lora = LoraConfig(args.lora_adapters, args.max_lora_rank) if args.lora_adapters else None
+    fold = args.lora_delta == "library"  # the other ways take separate tables
+    lora = LoraConfig(args.lora_adapters, args.max_lora_rank, fold=fold) if args.lora_adapters else None
     config = EngineConfig(
         args.batch,
         tokens,

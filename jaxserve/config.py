@@ -215,14 +215,20 @@ class CompileConfig:
 @dataclass(frozen=True, slots=True)
 class LoraConfig:
     """LoRA adapters served beside the base model (vLLM's enable_lora options): max_loras adapters on the device at
-    once (each a slot of every targeted linear's table, `jaxserve/models/lora.py`), of rank up to max_lora_rank."""
+    once (each a slot of every targeted linear's table, `jaxserve/models/lora.py`), of rank up to max_lora_rank.
+    fold: the tables' A stored as extra output columns of each targeted weight where the weights are unquantized on
+    one device (one GEMM gives x @ w and x @ A; `lora.fold`); False: separate tables everywhere (how tensor
+    parallelism and FP8 weights hold them)."""
 
     max_loras: int = 1
     max_lora_rank: int = 16
+    fold: bool = True
 
     def __post_init__(self) -> None:
         _require_int("max_loras", self.max_loras, 1)
         _require_int("max_lora_rank", self.max_lora_rank, 1)
+        if not isinstance(self.fold, bool):
+            raise ValueError(f"fold must be True or False, got {self.fold!r}")
 
 
 @dataclass(frozen=True, slots=True)

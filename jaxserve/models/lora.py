@@ -20,6 +20,15 @@ wraps each targeted weight of the step's layers in a `LoraLinear` with the one-h
     xa = einsum(x, a)            [T, S, P*R]   every slot's A for every token (S*P*R columns: one thin GEMM)
     delta = einsum(xa * onehot, b)              each token keeps its own slot's columns, then one GEMM with B
 
+With fewer tokens than slots (a small decode batch) the second product gathers each token's own slot of b instead
+of masking all of them, reading T of the S slots' B.
+
+Folded (`fold`: unquantized weights on one device, the engine's default there), a lives in the base weight's
+array as extra output columns, `FoldedWeight` [*in, N + S*P*R] (N: the weight's outputs, flat): one GEMM gives
+x @ w and x @ a together (`folded_product`), where a separate x @ a is a slow thin GEMM of its own at decode sizes
+(docs/performance.md, "LoRA adapters"). The table then holds b only (a None). Tensor parallelism splits a
+column-parallel weight's outputs, and an FP8 weight's values are e4m3: both keep the tables separate.
+
 Writing a slot (`LoraTableWriter`) is one jitted update per module (its A and B sent as they are: float32 or
 bfloat16, PEFT's layout or qwix's transposed one; transposed, scaled and cast on the device), compiled per module
 shape at start for float32 PEFT adapters, and for another dtype or layout when the first adapter in it is loaded:
@@ -31,8 +40,9 @@ Legend beyond docs' (STYLE.md): S adapter slots, R the table's rank, P the modul
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -56,12 +66,28 @@ class LoraTable:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
+class FoldedWeight:
+    """A linear's base weight with its adapter tables' a beside it: values [*in, N + S*P*R], the [*in, *out] weight
+    in its first N = prod(out) columns (flat), a's [*in, S, P*R] flat after them (`fold`)."""
+
+    values: Array
+    out_shape: tuple[int, ...] = field(metadata=dict(static=True))
+
+    @property
+    def num_base(self) -> int:
+        """N: the base weight's columns."""
+        return math.prod(self.out_shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
 class LoraLinear:
     """A linear weight of one step with its adapter table and the step's tokens' slots (one-hot [T, S]):
-    `quant.linear` computes the base product (`base`: an array or an `Fp8Weight`) plus `lora_delta`."""
+    `quant.linear` computes the base product (`base`: an array or an `Fp8Weight`) plus `lora_delta`, or with a
+    `FoldedWeight` base (a None) `folded_product`."""
 
     base: Any
-    a: Array
+    a: Array | None
     b: Array
     onehot: Float[Array, "T S"]
 
@@ -84,12 +110,39 @@ def lora_delta(x: Array, w: LoraLinear, result_dtype: Any = None) -> Array:
 
 def lora_expand(xa: Array, w: LoraLinear, dtype: Any, result_dtype: Any) -> Array:
     """`lora_delta`'s second half: x @ a ([*rows, S, P*R], any float dtype) kept to each row's slot and cast to
-    `dtype`, times b: the GEMM writes result_dtype (accumulating in float32), cast to `dtype`."""
+    `dtype`, times b: the GEMM writes result_dtype (accumulating in float32), cast to `dtype`. With fewer rows than
+    slots, each row's own slot of b is gathered (T x P*R x N values read, not S x P*R x N); otherwise every slot's
+    columns of xa but the row's are zeroed and one GEMM takes all of b."""
     rows = xa.ndim - 2
+    num_rows, num_slots = math.prod(xa.shape[:rows]), xa.shape[-2]
+    if num_rows < num_slots:
+        lead, out_shape = xa.shape[:rows], w.b.shape[2:]
+        slots = jnp.argmax(w.onehot.reshape(num_rows, num_slots), axis=-1)
+        own = jnp.take_along_axis(xa.reshape(num_rows, num_slots, -1), slots[:, None, None], axis=1)[:, 0]
+        rank_and_rows = (((1,), (1,)), ((0,), (0,)))
+        delta = jax.lax.dot_general(
+            own.astype(dtype), w.b[slots], rank_and_rows, preferred_element_type=result_dtype
+        )  # [T, *out]
+        return delta.reshape(*lead, *out_shape).astype(dtype)
     xa = (xa * w.onehot[..., None].astype(xa.dtype)).astype(dtype)
     slots_and_rank = ((rows, rows + 1), (0, 1))
     delta = jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=result_dtype)
     return delta.astype(dtype)
+
+
+def folded_product(x: Array, w: LoraLinear) -> Array:
+    """`quant.linear`'s product of x and a `LoraLinear` whose base is a `FoldedWeight`, in x's dtype: one GEMM of x
+    and the folded values gives the base product (the first N columns) and x @ a (the rest), then `lora_expand`
+    adds each row's slot's share."""
+    folded = w.base
+    num_in = folded.values.ndim - 1
+    rows = x.ndim - num_in
+    contract = (tuple(range(rows, x.ndim)), tuple(range(num_in)))
+    both = jax.lax.dot_general(x, folded.values, (contract, ((), ())), preferred_element_type=x.dtype)
+    lead, n = x.shape[:rows], folded.num_base
+    base = both[..., :n].reshape(*lead, *folded.out_shape)
+    xa = both[..., n:].reshape(*lead, *w.b.shape[:2])
+    return base + lora_expand(xa, w, x.dtype, x.dtype)
 
 
 def add_lora(base: Array, x: Array, w: LoraLinear) -> Array:
@@ -154,6 +207,63 @@ def _num_slots(tables: tuple[dict[str, LoraTable], ...]) -> int:
         for t in table.values():
             return t.b.shape[0]
     raise ValueError("the adapter tables target no linear of any layer")
+
+
+def fold(arrays: Any, tables: tuple[dict[str, LoraTable], ...], sharding: Any) -> tuple[Any, tuple[dict, ...]]:
+    """The serving weights with each targeted linear's a folded in beside its weight (a `FoldedWeight`, placed with
+    `sharding`: one device's), and the tables with b only. Layer by layer: each linear's weight and a are freed as
+    its folded array is made, so the device holds one extra linear at most."""
+    layers, folded_tables = [], []
+    for layer, table in zip(arrays.layers, tables, strict=True):
+        folded = {}
+        for name, t in table.items():
+            w = getattr(layer, name)
+            folded[name] = _folder(sharding)(w, t.a)
+            jax.block_until_ready(folded[name])
+            w.delete()
+            t.a.delete()
+        layers.append(dataclasses.replace(layer, **folded))
+        folded_tables.append({name: LoraTable(None, t.b) for name, t in table.items()})
+    return dataclasses.replace(arrays, layers=tuple(layers)), tuple(folded_tables)
+
+
+def unfolded_tables(arrays: Any, tables: tuple[dict[str, LoraTable], ...], shardings: Any) -> tuple[dict, ...]:
+    """`fold`'s tables with their a again: copies of the a columns of the folded weights (which stay as they are),
+    placed with `shardings` (the tables' own, a tree parallel to them; None: host weights, numpy copies): what an
+    update of the weights or their discard keeps of the adapters."""
+    out = []
+    for i, (layer, table) in enumerate(zip(arrays.layers, tables, strict=True)):
+        unfolded = {}
+        for name, t in table.items():
+            folded, slots_and_cols = getattr(layer, name), t.b.shape[:2]
+            if shardings is None:
+                values = folded.values
+                a = np.array(values[..., folded.num_base :]).reshape(*values.shape[:-1], *slots_and_cols)
+            else:
+                a = _unfolder(shardings[i][name].a)(folded, slots_and_cols)
+            unfolded[name] = LoraTable(a, t.b)
+        out.append(unfolded)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _folder(sharding: Any) -> Any:
+    def fold_linear(w: Array, a: Array) -> FoldedWeight:
+        num_in = a.ndim - 2
+        in_shape = w.shape[:num_in]
+        values = jnp.concatenate([w.reshape(*in_shape, -1), a.reshape(*in_shape, -1).astype(w.dtype)], axis=-1)
+        return FoldedWeight(values, tuple(w.shape[num_in:]))
+
+    return jax.jit(fold_linear, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def _unfolder(sharding: Any) -> Any:
+    def a_of(folded: FoldedWeight, slots_and_cols: tuple[int, int]) -> Array:
+        values = folded.values
+        return values[..., folded.num_base :].reshape(*values.shape[:-1], *slots_and_cols)
+
+    return jax.jit(a_of, static_argnums=1, out_shardings=sharding)
 
 
 def layer_modules(layer_class: type) -> dict[str, tuple[str, ...]]:
@@ -251,7 +361,8 @@ def check_adapter(
 
 
 def _write_module(
-    table: LoraTable,
+    holder: Array | FoldedWeight,
+    b_table: Array,
     slot: Int[Array, ""],
     a: Float[Array, "r I"] | Float[Array, "I r"],
     b: Float[Array, "O r"] | Float[Array, "r O"],
@@ -259,16 +370,17 @@ def _write_module(
     *,
     site: ModuleSite,
     transposed: bool,
-) -> LoraTable:
-    """The table with one module's A [R, in] and B [out, R] (PEFT's layout; `transposed`: A [in, R], B [R, out],
-    qwix's), padded to the table's rank R, in `slot`: A into its part's columns of a; B scaled and placed at the
-    module's outputs of the fused layout in its part's rows of b (zeros at the other modules' outputs)."""
-    rank = table.a.shape[-1] // site.num_parts
+) -> tuple[Array | FoldedWeight, Array]:
+    """One module's A [R, in] and B [out, R] (PEFT's layout; `transposed`: A [in, R], B [R, out], qwix's), padded to
+    the table's rank R, written into `slot`: A into its part's columns of a (`holder`: the table's a
+    [*in, S, P*R], or the `FoldedWeight` a is folded into); B scaled and placed at the module's outputs of the fused
+    layout in its part's rows of b (`b_table`; zeros at the other modules' outputs). Returns (holder, b_table)."""
+    rank = b_table.shape[1] // site.num_parts
     part = slice(site.part * rank, (site.part + 1) * rank)
     a, b = (a, b) if transposed else (a.T, b.T)  # [in, R], [R, out]
     a = a.astype(jnp.float32).reshape(*site.in_shape, rank)
     b = b.astype(jnp.float32) * scaling
-    out_shape = table.b.shape[2:]
+    out_shape = b_table.shape[2:]
     placed = jnp.zeros((rank, *out_shape), jnp.float32)
     if site.field == "wqkv":
         k, groups, dh = out_shape
@@ -281,10 +393,19 @@ def _write_module(
         placed = placed.at[:, 0 if site.module == "gate_proj" else 1].set(b)
     else:
         placed = b.reshape(rank, *out_shape)
-    return LoraTable(
-        table.a.at[..., slot, part].set(a.astype(table.a.dtype)),
-        table.b.at[slot, part].set(placed.astype(table.b.dtype)),
-    )
+    if isinstance(holder, FoldedWeight):  # a's columns follow the weight's N: slot s, part p at N + (s*P + p)*R
+        start = holder.num_base + (slot * site.num_parts + site.part) * rank
+        corner = (0,) * len(site.in_shape) + (start,)
+        values = jax.lax.dynamic_update_slice(holder.values, a.astype(holder.values.dtype), corner)
+        holder = FoldedWeight(values, holder.out_shape)
+    else:
+        holder = holder.at[..., slot, part].set(a.astype(holder.dtype))
+    return holder, b_table.at[slot, part].set(placed.astype(b_table.dtype))
+
+
+# The serving weights and the adapter tables, as the writer takes and returns them: with folded tables (`fold`), a
+# lives in the weights.
+Weights = tuple[Any, tuple[dict[str, LoraTable], ...]]
 
 
 class LoraTableWriter:
@@ -294,54 +415,54 @@ class LoraTableWriter:
     the tables' is padded on the host first). The updates compile once per module shape and kind of adapter (dtype,
     layout): float32 PEFT at start (`warm`), another kind when its first adapter is loaded (`prepare`); writing an
     adapter of a kind prepared before compiles nothing. Tracks which modules each slot holds, so that an adapter
-    replacing another in a slot zeroes the modules it does not target."""
+    replacing another in a slot zeroes the modules it does not target. Its calls take and return (weights, tables):
+    the serving weights (None when no table is folded) and the tables; a folded table's a is written in its
+    weight's `FoldedWeight`, donated as the table is."""
 
-    def __init__(self, sites: dict[tuple[int, str], ModuleSite], shardings: Any, max_rank: int) -> None:
+    def __init__(self, sites: dict[tuple[int, str], ModuleSite], max_rank: int) -> None:
         self.sites, self.max_rank = sites, max_rank
-        self._shardings = shardings  # per layer: field -> LoraTable of NamedSharding
         self._jitted: dict[Any, Any] = {}
         self._held: dict[int, set[tuple[int, str]]] = {}  # slot -> the (layer, module)s written non-zero
         self._prepared: set[tuple[np.dtype, bool]] = set()  # the kinds of adapter (dtype, transposed) compiled for
 
-    def warm(self, tables: tuple[dict[str, LoraTable], ...]) -> tuple[dict[str, LoraTable], ...]:
+    def warm(self, weights: Weights) -> Weights:
         """Compiles every distinct module update for float32 adapters in PEFT's layout (by writing zeros into slot 0,
         the base model's, zeros already)."""
-        return self.prepare(tables, np.dtype(np.float32), transposed=False)
+        return self.prepare(weights, np.dtype(np.float32), transposed=False)
 
-    def prepare(
-        self, tables: tuple[dict[str, LoraTable], ...], dtype: np.dtype, *, transposed: bool
-    ) -> tuple[dict[str, LoraTable], ...]:
+    def prepare(self, weights: Weights, dtype: np.dtype, *, transposed: bool) -> Weights:
         """Compiles the module updates for adapters of `dtype` in a layout (nothing if compiled before), by writing
         zeros of that kind into slot 0."""
         if (dtype, transposed) in self._prepared:
-            return tables
+            return weights
         seen = set()
         for key, site in self.sites.items():
             if (site.field, site.part, site.module) not in seen:
                 seen.add((site.field, site.part, site.module))
-                tables = self._write(tables, key, 0, self._zeros(site, dtype, transposed), 1.0, transposed)
+                weights = self._write(weights, key, 0, self._zeros(site, dtype, transposed), 1.0, transposed)
         self._prepared.add((dtype, transposed))
-        return tables
+        return weights
 
     def write(
         self,
-        tables: tuple[dict[str, LoraTable], ...],
+        weights: Weights,
         slot: int,
-        weights: dict[tuple[int, str], tuple[Any, Any]] | None,
+        adapter: dict[tuple[int, str], tuple[Any, Any]] | None,
         scaling: float = 1.0,
         *,
         transposed: bool = False,
-    ) -> tuple[dict[str, LoraTable], ...]:
-        """`tables` with `slot` holding an adapter's (layer, module) -> (A [r, in], B [out, r]) weights (`transposed`:
-        A [in, r], B [r, out]) times `scaling` (None: no adapter, all zeros), checked by `check_adapter` beforehand."""
-        weights = weights or {}
-        stale = self._held.get(slot, set()) - set(weights)
-        for key, pair in weights.items():
-            tables = self._write(tables, key, slot, pair, scaling, transposed)
+    ) -> Weights:
+        """(weights, tables) with `slot` holding an adapter's (layer, module) -> (A [r, in], B [out, r]) weights
+        (`transposed`: A [in, r], B [r, out]) times `scaling` (None: no adapter, all zeros), checked by
+        `check_adapter` beforehand."""
+        adapter = adapter or {}
+        stale = self._held.get(slot, set()) - set(adapter)
+        for key, pair in adapter.items():
+            weights = self._write(weights, key, slot, pair, scaling, transposed)
         for key in stale:
-            tables = self._write(tables, key, slot, self._zeros(self.sites[key], np.float32, False), scaling, False)
-        self._held[slot] = set(weights)
-        return tables
+            weights = self._write(weights, key, slot, self._zeros(self.sites[key], np.float32, False), scaling, False)
+        self._held[slot] = set(adapter)
+        return weights
 
     def _zeros(self, site: ModuleSite, dtype: Any, transposed: bool) -> tuple[np.ndarray, np.ndarray]:
         """Zero A and B of the tables' rank for a module, in a dtype and layout (each contiguous)."""
@@ -350,7 +471,10 @@ class LoraTableWriter:
             a_shape, b_shape = a_shape[::-1], b_shape[::-1]
         return np.zeros(a_shape, dtype), np.zeros(b_shape, dtype)
 
-    def _write(self, tables: Any, key: tuple[int, str], slot: int, pair: Any, scaling: float, transposed: bool) -> Any:
+    def _write(
+        self, weights: Weights, key: tuple[int, str], slot: int, pair: Any, scaling: float, transposed: bool
+    ) -> Weights:
+        arrays, tables = weights
         site = self.sites[key]
         a, b = pair
         rank = a.shape[-1] if transposed else a.shape[0]
@@ -362,17 +486,28 @@ class LoraTableWriter:
             else:
                 padded_a[:rank], padded_b[:, :rank] = a, b
             a, b = padded_a, padded_b
-        layer = tables[site.layer]
-        updated = self._jit(site, transposed)(layer[site.field], np.int32(slot), a, b, np.float32(scaling))
-        return (*tables[: site.layer], {**layer, site.field: updated}, *tables[site.layer + 1 :])
+        table = tables[site.layer][site.field]
+        folded = table.a is None
+        holder = getattr(arrays.layers[site.layer], site.field) if folded else table.a
+        holder, b_table = self._jit(site, transposed, holder, table.b)(
+            holder, table.b, np.int32(slot), a, b, np.float32(scaling)
+        )
+        layer_tables = tables[site.layer]
+        table = LoraTable(None if folded else holder, b_table)
+        tables = (*tables[: site.layer], {**layer_tables, site.field: table}, *tables[site.layer + 1 :])
+        if folded:
+            layer = dataclasses.replace(arrays.layers[site.layer], **{site.field: holder})
+            layers = arrays.layers
+            arrays = dataclasses.replace(arrays, layers=(*layers[: site.layer], layer, *layers[site.layer + 1 :]))
+        return arrays, tables
 
-    def _jit(self, site: ModuleSite, transposed: bool) -> Any:
-        shardings = self._shardings[site.layer][site.field]
+    def _jit(self, site: ModuleSite, transposed: bool, holder: Any, b_table: Array) -> Any:
+        shardings = jax.tree.map(lambda x: x.sharding, (holder, b_table))  # each update keeps its inputs' placement
         key = (site.field, site.part, site.module, site.in_shape, site.out_width, shardings, transposed)
         if key not in self._jitted:
             self._jitted[key] = jax.jit(
                 partial(_write_module, site=dataclasses.replace(site, layer=0), transposed=transposed),
-                donate_argnames=("table",),
+                donate_argnames=("holder", "b_table"),
                 out_shardings=shardings,
             )
         return self._jitted[key]

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxserve.models.lora import LoraLinear, add_lora
+from jaxserve.models.lora import FoldedWeight, LoraLinear, add_lora, folded_product
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
@@ -134,11 +134,14 @@ def quantize_rows(x: Array, num_in_axes: int) -> tuple[Array, Float[Array, "..."
 def linear(spec: str, x: Array, w: Array | Fp8Weight | LoraLinear, out_dtype: Any = None) -> Array:
     """jnp.einsum(spec, x, w) in `out_dtype` (None: x's dtype; float32 for logits), for a plain weight or an
     `Fp8Weight` (then the FP8 product above), and a `LoraLinear` (either of those with a step's adapters: their
-    low-rank product added, `lora.add_lora`). `spec` contracts w's leading axes with x's trailing ones and keeps
-    x's leading axes first, then w's trailing ones, e.g. "td,dkge->tkge" or "the,hed->td". An `Fp8Weight` is
+    low-rank product added, `lora.add_lora`; or a plain weight with a folded in, `lora.folded_product`). `spec`
+    contracts w's leading axes with x's trailing ones and keeps x's leading axes first, then w's trailing ones, e.g.
+    "td,dkge->tkge" or "the,hed->td". An `Fp8Weight` is
     contracted on its stored values' trailing axes in order (dot_general with no transpose of either operand:
     XLA hands both to the GEMM as they lie)."""
     if isinstance(w, LoraLinear):
+        if isinstance(w.base, FoldedWeight):  # a folded into the weight: one GEMM for x @ w and x @ a
+            return folded_product(x, w).astype(out_dtype or x.dtype)
         return add_lora(linear(spec, x, w.base, out_dtype), x, w).astype(out_dtype or x.dtype)
     if not isinstance(w, Fp8Weight):
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)

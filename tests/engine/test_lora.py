@@ -5,6 +5,7 @@ nothing, the prefix cache keyed by adapter, and the errors a user meets."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -19,6 +20,7 @@ from peft_reference import HF_CONFIG, NEW_TOKENS, VOCAB, peft_tokens, save_adapt
 from jaxserve.config import CompileConfig, KvCacheConfig  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.lora import LoRARequest, LoraSlots  # noqa: E402
+from jaxserve.models import lora  # noqa: E402
 from jaxserve.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
@@ -153,11 +155,15 @@ def test_prefix_cached_under_one_adapter_is_not_a_hit_for_another(saved, llm):
 
 
 def test_no_compiled_forward_copies_an_adapter_table(llm):
-    """Every step reads the tables as they are stored: x @ a is one GEMM over the table's columns (a [*in, S, P*R]),
-    with no copy or transpose of a table into another layout on every step (a [S, *in, P*R] made XLA copy it)."""
+    """Every step reads the tables as they are stored: x @ a is one GEMM over the table's columns (a [*in, S, P*R],
+    here folded into the weights: [*in, N + S*P*R]), with no copy or transpose of a table or a folded weight into
+    another layout on every step (a [S, *in, P*R] made XLA copy it)."""
     import itertools
 
-    tables = jax.tree.leaves(llm.engine.runner.weights.lora)
+    weights = llm.engine.runner.weights
+    folded = [w.values for layer in weights.arrays.layers for w in vars_of(layer) if isinstance(w, lora.FoldedWeight)]
+    assert folded, "one device, unquantized weights: the tables' a should be folded into the weights"
+    tables = jax.tree.leaves(weights.lora) + folded
     shapes = {",".join(map(str, p)) for t in tables for p in itertools.permutations(t.shape) if p != t.shape}
     shapes |= {",".join(map(str, t.shape)) for t in tables}
     moved = re.compile(r"= \w+\[([0-9,]+)\]\S* (?:copy|transpose)\(")
@@ -167,6 +173,41 @@ def test_no_compiled_forward_copies_an_adapter_table(llm):
     for (bucket, _), forward in forwards.items():
         copied = [m.group(1) for m in map(moved.search, forward.as_text().splitlines()) if m]
         assert not shapes & set(copied), f"T={bucket.num_tokens} copies an adapter table: {shapes & set(copied)}"
+
+
+def vars_of(layer) -> list:
+    return [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+
+
+def test_folded_adapters_survive_sleep_and_weight_updates(saved, llm):
+    """With the tables' a folded into the weights, the adapters outlive every way the weights are replaced or moved:
+    an update in place, sleep(1) and wake_up, an update while asleep at level 1 (the a columns of the host copy),
+    sleep(2) and an update (the a columns kept apart while no weights exist)."""
+    from safetensors.numpy import load_file
+
+    root, expected = saved
+    base = load_file(str(root / "base" / "model.safetensors"))
+    request = _request(root, "all", 2)
+
+    def tokens():
+        outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[request, None])
+        return [o.outputs[0].token_ids for o in outputs]
+
+    want = [expected["all"][0], expected[None][1]]
+    assert tokens() == want
+    llm.update_weights(base)
+    assert tokens() == want, "after update_weights"
+    llm.sleep(1)
+    llm.wake_up()
+    assert tokens() == want, "after sleep(1)"
+    llm.sleep(1)
+    llm.update_weights(base)
+    llm.wake_up()
+    assert tokens() == want, "after an update while asleep at level 1"
+    llm.sleep(2)
+    llm.update_weights(base)
+    llm.wake_up()
+    assert tokens() == want, "after sleep(2) and an update"
 
 
 def _tensors_and_config(directory) -> tuple[dict, dict]:

@@ -76,12 +76,12 @@ def _slot(tables, slot: int) -> list[np.ndarray]:
 
 def test_every_kind_of_adapter_writes_the_same_tables(setup, record_compiles):
     sites, shardings, zeros = setup
-    writer = lora.LoraTableWriter(sites, shardings, MAX_RANK)
-    tables = writer.warm(jax.tree.map(jnp.copy, zeros))
+    writer = lora.LoraTableWriter(sites, MAX_RANK)
+    _, tables = writer.warm((None, jax.device_put(jax.tree.map(jnp.copy, zeros), shardings)))
     config = {"r": RANK, "lora_alpha": ALPHA}
     reference = host_lora.from_peft("f32", _peft_tensors(sites, np.float32), config)
     assert reference.dtype == np.float32 and not reference.transposed
-    tables = writer.write(tables, 1, reference.weights, reference.scaling)
+    _, tables = writer.write((None, tables), 1, reference.weights, reference.scaling)
     expected = _slot(tables, 1)
     assert all(np.any(x) for x in expected), "a table the adapter targets is still zero: a weak test"
 
@@ -93,12 +93,12 @@ def test_every_kind_of_adapter_writes_the_same_tables(setup, record_compiles):
     }
     for kind, adapter in kinds.items():
         assert adapter.peft_shapes() == reference.peft_shapes(), kind
-        tables = writer.write(tables, 1, None)  # the slot emptied: the write below fills it again
+        _, tables = writer.write((None, tables), 1, None)  # the slot emptied: the write below fills it again
         assert not any(np.any(x) for x in _slot(tables, 1))
-        tables = writer.prepare(tables, adapter.dtype, transposed=adapter.transposed)
+        _, tables = writer.prepare((None, tables), adapter.dtype, transposed=adapter.transposed)
         with record_compiles() as compiled:
-            tables = writer.write(tables, 1, adapter.weights, adapter.scaling, transposed=adapter.transposed)
-            tables = writer.write(tables, 2, adapter.weights, adapter.scaling, transposed=adapter.transposed)
+            _, tables = writer.write((None, tables), 1, adapter.weights, adapter.scaling, transposed=adapter.transposed)
+            _, tables = writer.write((None, tables), 2, adapter.weights, adapter.scaling, transposed=adapter.transposed)
         assert not compiled, f"{kind}: a prepared kind's writes compiled: {compiled}"
         for got, want in zip(_slot(tables, 1), expected, strict=True):
             np.testing.assert_array_equal(got, want, err_msg=kind)
@@ -116,3 +116,37 @@ def test_an_adapter_of_mixed_dtypes_is_read_as_float32(setup):
     assert {array.dtype for pair in adapter.weights.values() for array in pair} == {np.dtype(np.float32)}
     float16 = host_lora.from_peft("f16", _peft_tensors(sites, np.float16), {"r": RANK, "lora_alpha": ALPHA})
     assert float16.dtype == np.float32
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])  # fewer rows than the 4 slots (each row's b gathered), and more
+@pytest.mark.parametrize(
+    "spec, w_shape, a_shape, b_shape",
+    [
+        ("td,dkge->tkge", (16, 2, 4, 8), (16, 4, 3 * 2), (4, 3 * 2, 2, 4, 8)),  # wqkv: three modules, rank 2
+        ("the,hed->td", (4, 8, 16), (4, 8, 4, 2), (4, 2, 16)),  # wo: two input axes
+    ],
+)
+def test_a_folded_into_the_weight_gives_the_separate_tables_product(rows, spec, w_shape, a_shape, b_shape):
+    """`quant.linear` of a `FoldedWeight` (a beside w, one GEMM) equals it with separate tables and the float32
+    product written out (x @ w plus each row's own slot of x @ a @ b), whichever way b is taken (gathered per row
+    with fewer rows than slots, the slot mask otherwise)."""
+    from jaxserve.models import quant
+
+    rng = np.random.default_rng(rows)
+    w, a, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (w_shape, a_shape, b_shape))
+    x = jnp.asarray(rng.standard_normal((rows, *a_shape[: a.ndim - 2])), jnp.float32)
+    slots = rng.integers(0, a_shape[-2], rows)
+    onehot = jax.nn.one_hot(slots, a_shape[-2], dtype=jnp.float32)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    folded = lora._folder(sharding)(w, a)
+    assert folded.values.shape == (*w_shape[: a.ndim - 2], np.prod(w_shape[a.ndim - 2 :]) + np.prod(a_shape[-2:]))
+    got = quant.linear(spec, x, lora.LoraLinear(folded, None, b, onehot))
+    separate = quant.linear(spec, x, lora.LoraLinear(w, a, b, onehot))
+    num_in = a.ndim - 2
+    x2 = np.asarray(x, np.float64).reshape(rows, -1)
+    a2, b2 = np.asarray(a, np.float64).reshape(x2.shape[1], *a_shape[-2:]), np.asarray(b, np.float64)
+    want = x2 @ np.asarray(w, np.float64).reshape(x2.shape[1], -1)
+    want = want + np.stack([(x2[t] @ a2[:, s]) @ b2[s].reshape(b_shape[1], -1) for t, s in enumerate(slots)])
+    want = want.reshape(rows, *w_shape[num_in:])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(separate), want, rtol=1e-5, atol=1e-4)
