@@ -32,7 +32,8 @@
 #                                             # the shrink kernel with XLA's expand (--lora-delta shrink);
 #                                             # lora_linears: lora_linears.py (the products alone, 5 ways);
 #                                             # lora_fold: batch 1's step profiled without adapters, with
-#                                             # a folded into the weights (the default), with separate tables
+#                                             # a folded into the weights (the default), with separate tables,
+#                                             # then the rank-64 update folded and separate
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -61,7 +62,7 @@ bench_run() {  # bench_run NAME TIMEOUT ARGS...: one `jaxserve bench` process (-
   # its steps to $OUT/NAME.steps.jsonl and their host time by kind of step (iteration_summary.py) to stdout
   local name=$1 limit=$2; shift 2
   echo "== $name: jaxserve bench $*"
-  timeout "$limit" python3 -m jaxserve.cli bench "$@" --json -v --iteration-log "$OUT/$name.steps.jsonl" \
+  timeout "$limit" ${BENCH_CMD:-python3 -m jaxserve.cli bench} "$@" --json -v --iteration-log "$OUT/$name.steps.jsonl" \
     2>"$OUT/$name.log" | tee "$OUT/$name.json"; echo
   [ -s "$OUT/$name.steps.jsonl" ] && python3 benchmarks/iteration_summary.py "$OUT/$name.steps.jsonl"
   grep -E "jaxserve.(capacity: KV cache|runner: warmup|runner: decode step on padding|engine: max_batch_size)|Error|error" "$OUT/$name.log" | cut -c1-400 | tail -n 6
@@ -191,11 +192,17 @@ case "${1:-}" in
     done
     ;;
   lora_fold)  # the batch-1 decode step kernel by kernel: no adapters, 4 rank-16 slots folded into the weights (the
-    # engine's default on one device), separate tables (XLA's products, --lora-delta xla)
+    # engine's default on one device; fold_mask: without the gather of each row's slot of b), separate tables (XLA's
+    # products); then the update of a rank-64 adapter folded and separate (experiments/lora_fold.py)
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
-    profile_run b1_c192 120 "${P[@]}"
-    profile_run b1_c192_lora4_fold 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
-    profile_run b1_c192_lora4_xla 130 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta xla
+    profile_run b1_c192 90 "${P[@]}"
+    profile_run b1_c192_lora4_fold 100 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
+    profile_run b1_c192_lora4_fold_mask 100 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta fold_mask
+    profile_run b1_c192_lora4_xla 100 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta xla
+    U=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64)
+    for how in fold separate; do
+      BENCH_CMD="python3 benchmarks/experiments/lora_fold.py $how" bench_run lora_r64_$how 75 "${U[@]}"
+    done
     ;;
   lora_update)  # one rank-64 adapter on all seven projections: its update_lora time (lora.update_ms)
     bench_run latency_b1_lora_r64 200 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64

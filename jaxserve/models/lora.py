@@ -51,6 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+# With fewer rows than slots, `lora_expand` gathers each row's own slot of b (False: the slot mask, as for more rows;
+# benchmarks/step_profile.py --lora-delta fold_mask).
+GATHER_OWN_SLOT = True
+
 # The Hugging Face (PEFT) module names an adapter may target, in the order a fused linear holds them.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -115,7 +119,7 @@ def lora_expand(xa: Array, w: LoraLinear, dtype: Any, result_dtype: Any) -> Arra
     columns of xa but the row's are zeroed and one GEMM takes all of b."""
     rows = xa.ndim - 2
     num_rows, num_slots = math.prod(xa.shape[:rows]), xa.shape[-2]
-    if num_rows < num_slots:
+    if GATHER_OWN_SLOT and num_rows < num_slots:
         lead, out_shape = xa.shape[:rows], w.b.shape[2:]
         slots = jnp.argmax(w.onehot.reshape(num_rows, num_slots), axis=-1)
         own = jnp.take_along_axis(xa.reshape(num_rows, num_slots, -1), slots[:, None, None], axis=1)[:, 0]
