@@ -21,7 +21,8 @@
 #                                             # in FP8 weights + FP8 KV (step_profile.py; BATCHES="1 32": more)
 #   bash benchmarks/gpu_engine.sh lora        # batch 1 and 1024 x 128/128 without and with 4 random rank-16 adapters
 #                                             # on all seven projections (requests spread over them), then the update
-#                                             # of one rank-64 adapter (bench's lora.update_ms; NO_UPDATE=1: not),
+#                                             # of one rank-64 adapter (bench's lora.update_ms; NO_UPDATE=1: not;
+#                                             # NO_THROUGHPUT=1: batch 1 and the update only),
 #                                             # one 10-minute call; lora_update: the update alone;
 #                                             # lora_profile: step_profile.py of batch 1 and 32, without and with
 #                                             # 4 rank-16 adapter slots; lora_b1: the batch-1 bench with adapters
@@ -150,9 +151,11 @@ case "${1:-}" in
     B1=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
     bench_run latency_b1_base 80 "${B1[@]}"
     bench_run latency_b1_lora4 170 "${B1[@]}" --lora-adapters 4 --max-lora-rank 16
-    bench_run t1024_base 140 "${T[@]}"
-    bench_run t1024_lora4 160 "${T[@]}" --lora-adapters 4 --max-lora-rank 16
-    [ -z "${NO_UPDATE:-}" ] && bench_run latency_b1_lora_r64 70 latency --random-weights $MODEL --batch-size 1 \
+    if [ -z "${NO_THROUGHPUT:-}" ]; then
+      bench_run t1024_base 140 "${T[@]}"
+      bench_run t1024_lora4 160 "${T[@]}" --lora-adapters 4 --max-lora-rank 16
+    fi
+    [ -z "${NO_UPDATE:-}" ] && bench_run latency_b1_lora_r64 150 latency --random-weights $MODEL --batch-size 1 \
       --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
     ;;
   lora_b1)  # batch 1 with 4 rank-16 adapters, then its decode step kernel by kernel (step_profile.py)
@@ -192,16 +195,15 @@ case "${1:-}" in
     done
     ;;
   lora_fold)  # the batch-1 decode step kernel by kernel: no adapters, 4 rank-16 slots folded into the weights (the
-    # engine's default on one device; fold_mask: without the gather of each row's slot of b), separate tables (XLA's
-    # products); then the update of a rank-64 adapter folded and separate (experiments/lora_fold.py)
+    # engine's default on one device), separate tables (XLA's products); then the update of a rank-64 adapter folded
+    # and separate (experiments/lora_fold.py)
     P=(--shape llama8b --backend pallas --max-seq-len 256 --context 192 --batch 1)
     profile_run b1_c192 90 "${P[@]}"
     profile_run b1_c192_lora4_fold 100 "${P[@]}" --lora-adapters 4 --max-lora-rank 16
-    profile_run b1_c192_lora4_fold_mask 100 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta fold_mask
     profile_run b1_c192_lora4_xla 100 "${P[@]}" --lora-adapters 4 --max-lora-rank 16 --lora-delta xla
     U=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64)
     for how in fold separate; do
-      BENCH_CMD="python3 benchmarks/experiments/lora_fold.py $how" bench_run lora_r64_$how 75 "${U[@]}"
+      BENCH_CMD="python3 benchmarks/experiments/lora_fold.py $how" bench_run lora_r64_$how 150 "${U[@]}"
     done
     ;;
   lora_update)  # one rank-64 adapter on all seven projections: its update_lora time (lora.update_ms)

@@ -173,10 +173,9 @@ def parse_args() -> argparse.Namespace:
     add("--max-lora-rank", type=int, default=16)
     add(
         "--lora-delta",
-        choices=["library", "fold_mask", "xla", "float32", "pallas", "shrink"],
+        choices=["library", "xla", "float32", "pallas", "shrink"],
         default="library",
-        help="library: the engine's (a folded into the weights, lora.fold); fold_mask: that with the slot mask "
-        "for every batch (lora.GATHER_OWN_SLOT off); xla: separate tables, XLA's products "
+        help="library: the engine's (a folded into the weights, lora.fold); xla: separate tables, XLA's products "
         "(lora.add_lora); float32: those written in float32 and cast after (lora.lora_delta's result_dtype), "
         "not in the step's dtype; pallas: the two Pallas kernels of jaxserve.kernels.lora (lora.add_lora_kernels; "
         "one device); shrink: its shrink kernel for x @ a, the rest XLA's (lora.add_lora_shrink_kernel)",
@@ -208,7 +207,7 @@ def build_runner(args: argparse.Namespace, family: Any, cfg: Any, weights: Any) 
         token_buckets=(tokens,),
         penalty_variants=False,
     )
-    fold = args.lora_delta in ("library", "fold_mask")  # the other ways take separate tables
+    fold = args.lora_delta == "library"  # the other ways take separate tables
     lora = LoraConfig(args.lora_adapters, args.max_lora_rank, fold=fold) if args.lora_adapters else None
     config = EngineConfig(
         args.batch,
@@ -676,7 +675,6 @@ def write_outputs(out: str, profiles: list[Profile], extra: dict) -> None:
 def main() -> None:
     args = parse_args()
     # What quant.linear calls for an adapted linear, replaced before anything is traced.
-    lora.GATHER_OWN_SLOT = args.lora_delta != "fold_mask"
     if args.lora_delta == "float32":
         quant.add_lora = lambda base, x, w: base + lora.lora_delta(x, w, result_dtype=jnp.float32)
     elif args.lora_delta == "pallas":

@@ -20,9 +20,6 @@ wraps each targeted weight of the step's layers in a `LoraLinear` with the one-h
     xa = einsum(x, a)            [T, S, P*R]   every slot's A for every token (S*P*R columns: one thin GEMM)
     delta = einsum(xa * onehot, b)              each token keeps its own slot's columns, then one GEMM with B
 
-With fewer tokens than slots (a small decode batch) the second product gathers each token's own slot of b instead
-of masking all of them, reading T of the S slots' B.
-
 Folded (`fold`: unquantized weights on one device, the engine's default there), a lives in the base weight's
 array as extra output columns, `FoldedWeight` [*in, N + S*P*R] (N: the weight's outputs, flat): one GEMM gives
 x @ w and x @ a together (`folded_product`), where a separate x @ a is a slow thin GEMM of its own at decode sizes
@@ -50,10 +47,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
-
-# With fewer rows than slots, `lora_expand` gathers each row's own slot of b (False: the slot mask, as for more rows;
-# benchmarks/step_profile.py --lora-delta fold_mask).
-GATHER_OWN_SLOT = True
 
 # The Hugging Face (PEFT) module names an adapter may target, in the order a fused linear holds them.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,20 +107,10 @@ def lora_delta(x: Array, w: LoraLinear, result_dtype: Any = None) -> Array:
 
 def lora_expand(xa: Array, w: LoraLinear, dtype: Any, result_dtype: Any) -> Array:
     """`lora_delta`'s second half: x @ a ([*rows, S, P*R], any float dtype) kept to each row's slot and cast to
-    `dtype`, times b: the GEMM writes result_dtype (accumulating in float32), cast to `dtype`. With fewer rows than
-    slots, each row's own slot of b is gathered (T x P*R x N values read, not S x P*R x N); otherwise every slot's
-    columns of xa but the row's are zeroed and one GEMM takes all of b."""
+    `dtype`, times b: the GEMM writes result_dtype (accumulating in float32), cast to `dtype`. Every slot's columns
+    of xa but the row's are zeroed and one GEMM takes all of b (gathering each row's own slot of b instead, with
+    fewer rows than slots, made an H100's batch-1 step slower: docs/performance.md, "LoRA adapters")."""
     rows = xa.ndim - 2
-    num_rows, num_slots = math.prod(xa.shape[:rows]), xa.shape[-2]
-    if GATHER_OWN_SLOT and num_rows < num_slots:
-        lead, out_shape = xa.shape[:rows], w.b.shape[2:]
-        slots = jnp.argmax(w.onehot.reshape(num_rows, num_slots), axis=-1)
-        own = jnp.take_along_axis(xa.reshape(num_rows, num_slots, -1), slots[:, None, None], axis=1)[:, 0]
-        rank_and_rows = (((1,), (1,)), ((0,), (0,)))
-        delta = jax.lax.dot_general(
-            own.astype(dtype), w.b[slots], rank_and_rows, preferred_element_type=result_dtype
-        )  # [T, *out]
-        return delta.reshape(*lead, *out_shape).astype(dtype)
     xa = (xa * w.onehot[..., None].astype(xa.dtype)).astype(dtype)
     slots_and_rank = ((rows, rows + 1), (0, 1))
     delta = jax.lax.dot_general(xa, w.b, (slots_and_rank, ((), ())), preferred_element_type=result_dtype)

@@ -118,7 +118,7 @@ def test_an_adapter_of_mixed_dtypes_is_read_as_float32(setup):
     assert float16.dtype == np.float32
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 7])  # fewer rows than the 4 slots (each row's b gathered), and more
+@pytest.mark.parametrize("rows", [1, 7])
 @pytest.mark.parametrize(
     "spec, w_shape, a_shape, b_shape",
     [
@@ -128,8 +128,7 @@ def test_an_adapter_of_mixed_dtypes_is_read_as_float32(setup):
 )
 def test_a_folded_into_the_weight_gives_the_separate_tables_product(rows, spec, w_shape, a_shape, b_shape):
     """`quant.linear` of a `FoldedWeight` (a beside w, one GEMM) equals it with separate tables and the float32
-    product written out (x @ w plus each row's own slot of x @ a @ b), whichever way b is taken (gathered per row
-    with fewer rows than slots, the slot mask otherwise)."""
+    product written out (x @ w plus each row's own slot of x @ a @ b)."""
     from jaxserve.models import quant
 
     rng = np.random.default_rng(rows)
