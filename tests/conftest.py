@@ -24,6 +24,9 @@ import pytest
 # completions, quantization, kernel, GGUF, sharding and model files of 40-65 s. A file of ~100 s that happens to
 # be collected last would otherwise keep one worker busy for that long after the other has finished.
 LONGEST_FIRST = (
+    # Python 3.12 with tunix only (.ci/run): the longest files of that run, collected last before (~90 and ~65 s).
+    "tests/integrations/test_tunix_gemma.py",
+    "tests/integrations/test_tunix.py",
     "tests/engine/test_engine.py",
     "tests/models/test_backends.py",
     "tests/models/test_gemma3_270m.py",

@@ -316,7 +316,7 @@ def test_tunix_tree_with_qwix_lora_through_from_params_gives_peft_tokens(saved, 
 def test_gemma_qwix_einsums_give_each_projection_its_pair():
     """A tunix Gemma's qwix LoRA on its einsum weights: kv_einsum's (and qkv_einsum's) one A serves each projection
     it holds, with that projection's slice of B; attn_vec_einsum's A is [H, Dh, r]. Against tunix's own forward:
-    tests/integrations/test_tunix.py."""
+    tests/integrations/test_tunix_gemma.py."""
     from jaxserve.lora import from_qwix
 
     rng = np.random.default_rng(0)

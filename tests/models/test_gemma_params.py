@@ -1,6 +1,6 @@
 """Gemma weights from what a trainer hands over: google-tunix's parameter trees (its Gemma, Gemma 2 and Gemma3
 modules' names and layouts, built here by hand from a transformers model's tensors, so tunix is not needed;
-tests/integrations/test_tunix.py checks the same mapping against tunix's own forward) and orbax checkpoints.
+tests/integrations/test_tunix_gemma.py checks the same mapping against tunix's own forward) and orbax checkpoints.
 Each gives exactly the weights the family's Hugging Face load gives; `LLM.from_params` on a tunix tree serves
 the dense reference's greedy tokens; a tree that does not fit is an error naming the parameter."""
 
