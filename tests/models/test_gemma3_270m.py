@@ -13,6 +13,7 @@ import hashlib
 import zipfile
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -87,7 +88,19 @@ def reference(gemma3) -> list[tuple[list[int], np.ndarray]]:
     """transformers' greedy tokens of each prompt (and their logprobs), float32, from the same GGUF file."""
     _, tokenizer = gemma3
     path = hub.resolve_model_source(hub.GEMMA3_270M).path
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # transformers reads the file with gguf's GGUFReader twice (the config, then the weights), ~13 s each here for
+    # the 262,144 vocabulary strings: one reader serves both.
+    readers: dict = {}
+    original = gguf.GGUFReader
+
+    def reader(file, *args, **kwargs):
+        key = (str(file), args, tuple(sorted(kwargs.items())))
+        return readers[key] if key in readers else readers.setdefault(key, original(file, *args, **kwargs))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    assert len(readers) == 1
     results = []
     with torch.no_grad():
         for prompt in PROMPTS:
