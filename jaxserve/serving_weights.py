@@ -2,7 +2,8 @@
 the checkpoint layout, offloaded to host memory and reloaded (sleep level 1), discarded (sleep level 2), and
 replaced by new values in place (`update`), with the same shardings and dtype, so the compiled steps take
 them as they are. With LoRA adapters (`RunnerSpec.lora`), their slot tables beside them (`jaxserve/models/lora.py`):
-zeros at start, one slot written at a time (`write_adapter`) without compiling anything.
+zeros at start, one slot written at a time (`write_adapter`) without compiling anything; on one device with
+unquantized weights the tables' a folded into the weights (`lora.fold`), kept apart while the weights are replaced.
 """
 
 from __future__ import annotations

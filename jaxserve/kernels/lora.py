@@ -1,6 +1,7 @@
 """LoRA's low-rank product added to a base product, for a batch of rows that each name an adapter slot: two Pallas
 (Triton) kernels and their jnp reference. Measured slower than XLA's products on an H100 (docs/kernels.md, "LoRA
-kernels"): the engine runs `jaxserve.models.lora.add_lora` (XLA's GEMMs); `add_lora_kernels` there runs these
+kernels"): the engine runs `jaxserve.models.lora.folded_product` on one device (x @ a inside the base GEMM) and
+`add_lora` (XLA's GEMMs) otherwise; `add_lora_kernels` there runs these on separate tables
 (`benchmarks/step_profile.py --lora-delta pallas`). `lora_shrink` is the shrink alone with its partial sums added
 by XLA, for XLA's expand after it (`add_lora_shrink_kernel`, `--lora-delta shrink`): on the 8B shape's linears
 alone it beats XLA's products at batch 1 only (docs/kernels.md), so the engine does not run it either.
