@@ -224,8 +224,7 @@ def unfolded_tables(arrays: Any, tables: tuple[dict[str, LoraTable], ...], shard
         for name, t in table.items():
             folded, slots_and_cols = getattr(layer, name), t.b.shape[:2]
             if shardings is None:
-                values = folded.values
-                a = np.array(values[..., folded.num_base :]).reshape(*values.shape[:-1], *slots_and_cols)
+                a = np.array(_a_columns(folded, slots_and_cols))
             else:
                 a = _unfolder(shardings[i][name].a)(folded, slots_and_cols)
             unfolded[name] = LoraTable(a, t.b)
@@ -244,13 +243,15 @@ def _folder(sharding: Any) -> Any:
     return jax.jit(fold_linear, out_shardings=sharding)
 
 
+def _a_columns(folded: FoldedWeight, slots_and_cols: tuple[int, int]) -> Any:
+    """The a table of a folded weight ([*in, S, P*R]: its values' columns after N), of a device or a host array."""
+    values = folded.values
+    return values[..., folded.num_base :].reshape(*values.shape[:-1], *slots_and_cols)
+
+
 @functools.lru_cache(maxsize=64)
 def _unfolder(sharding: Any) -> Any:
-    def a_of(folded: FoldedWeight, slots_and_cols: tuple[int, int]) -> Array:
-        values = folded.values
-        return values[..., folded.num_base :].reshape(*values.shape[:-1], *slots_and_cols)
-
-    return jax.jit(a_of, static_argnums=1, out_shardings=sharding)
+    return jax.jit(_a_columns, static_argnums=1, out_shardings=sharding)
 
 
 def layer_modules(layer_class: type) -> dict[str, tuple[str, ...]]:

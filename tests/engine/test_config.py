@@ -12,6 +12,7 @@ from jaxserve.config import (
     CompileConfig,
     EngineConfig,
     KvCacheConfig,
+    LoraConfig,
     SchedulerConfig,
     default_max_num_tokens,
     infer_max_seq_len,
@@ -112,6 +113,16 @@ def test_engine_config_rejects(kwargs, field):
     base = {"max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 128}
     with pytest.raises(ValueError, match=field):
         EngineConfig(**(base | kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"max_loras": 0}, "max_loras"), ({"max_lora_rank": 0}, "max_lora_rank"), ({"fold": "yes"}, "fold")],
+)
+def test_lora_config_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LoraConfig(**kwargs)
+    assert LoraConfig().fold is True  # the tables folded into the weights where they can be, unless turned off
 
 
 @pytest.mark.parametrize(
