@@ -8,7 +8,7 @@ executable (`jax.experimental.serialize_executable`) under a key made of everyth
 - the source of the jaxserve package (models, kernels and sharding included) that builds the step: any edit
   changes every key;
 - jax's and jaxlib's versions, the backend's platform and version, the devices' kinds and ids, XLA_FLAGS
-  and the jax options that change lowering;
+  and the jax options that change lowering or compiling;
 - the step's kind and its static arguments (the model config, the step table, dtype, backend, bucket,
   variant) and its abstract arguments (tree structure, shapes, dtypes, shardings).
 
@@ -36,13 +36,14 @@ import jax
 logger = logging.getLogger(__name__)
 
 SOURCE_PACKAGES = ("jaxserve",)
-# jax options whose value changes what a traced step lowers to.
+# jax options whose value changes what a traced step lowers to, or what XLA compiles it to.
 LOWERING_OPTIONS = (
     "jax_enable_x64",
     "jax_default_matmul_precision",
     "jax_threefry_partitionable",
     "jax_default_prng_impl",
     "jax_numpy_rank_promotion",
+    "jax_disable_most_optimizations",
 )
 FORMAT = 1  # bump when an entry's layout changes
 

@@ -20,6 +20,8 @@ from jaxserve.cli import _validate_bench, build_parser, main
 from jaxserve.models import registry, shapes
 from jaxserve.sampling import CompletionOutput, RequestMetrics, RequestOutput
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 VOCAB = shapes.TINY_LLAMA["vocab_size"]
 # Two decode and two prefill shapes: each engine of these tests compiles 4 steps.
 TINY_ENGINE = ["--random-weights", "tiny-llama", "--max-batch-size", "4", "--max-num-tokens", "32"]

@@ -7,6 +7,8 @@ import pytest
 
 from jaxserve.cli import main
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 
 @pytest.mark.slow
 def test_generate_prints_the_greedy_continuation(capsys):

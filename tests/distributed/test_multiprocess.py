@@ -28,6 +28,8 @@ import numpy as np
 import pytest
 import requests
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 5
 

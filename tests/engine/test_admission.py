@@ -12,6 +12,8 @@ from jaxserve.request import make_requests
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ADMISSION_CAP_GAIN, Scheduler, admission_cap, drain_cost
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 # Decode-step costs on padding (ms), as measured at an H200 warmup for the 8B shape: weight-bound to ~128 rows.
 COSTS = {1: 4.15, 32: 4.41, 128: 5.10, 192: 6.00, 256: 6.63, 384: 9.27, 512: 11.44, 640: 13.67, 1024: 22.12}
 

@@ -23,6 +23,8 @@ from jaxserve.config import CapacityPolicy, CompileConfig
 from jaxserve.dense import generate_dense
 from jaxserve.sampling import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 VOCAB = 160
 MAX_BATCH_SIZE = 4
 MAX_NUM_TOKENS = 32

@@ -15,6 +15,8 @@ from jaxserve.dense import generate_dense
 from jaxserve.models import quant
 from jaxserve.sampling import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 BUCKETS = CompileConfig(decode_batch_sizes=(4,), token_buckets=(32,), penalty_variants=False)

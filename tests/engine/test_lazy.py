@@ -20,6 +20,8 @@ from jaxserve.step_inputs import padding_inputs
 from jaxserve.step_table import resolve_lazy
 from jaxserve.variants import SamplerMode, StepVariant
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 VOCAB = 160
 NEW_TOKENS = 12
 # max_seq_len 128 = 8 blocks of 16: widths of 1, 2 and 3 blocks below the full table.

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("lm_eval", reason="needs lm-eval (the eval extra)")
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.needs_torch
+pytestmark = [pytest.mark.needs_torch, pytest.mark.usefixtures("unoptimized_compiles")]  # tests/conftest.py says why
 
 CORPUS = [
     "the cat sat on the mat. the dog ran in the park.",

@@ -42,7 +42,7 @@ from tunix_models import (  # noqa: E402
 
 from jaxserve.integrations.tunix import JaxserveRollout  # noqa: E402
 
-pytestmark = pytest.mark.needs_tunix
+pytestmark = [pytest.mark.needs_tunix, pytest.mark.usefixtures("unoptimized_compiles")]  # tests/conftest.py says why
 
 
 @pytest.fixture(scope="module")

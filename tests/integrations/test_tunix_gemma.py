@@ -35,7 +35,7 @@ from tunix_models import (  # noqa: E402
 from jaxserve.integrations.tunix import JaxserveRollout, gemma3_hf_config, gemma_hf_config  # noqa: E402
 from jaxserve.models import registry  # noqa: E402
 
-pytestmark = pytest.mark.needs_tunix
+pytestmark = [pytest.mark.needs_tunix, pytest.mark.usefixtures("unoptimized_compiles")]  # tests/conftest.py says why
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,9 @@ Exposed as session fixtures that return functions (hypothesis tests may use them
   - `numpy_attention(batch, sm_scale, sliding_window, soft_cap) -> [T, H, Dh] float64`: plain dense
     softmax attention per sequence, from the unpaged K/V.
   - `rel_err(out, want) -> float`: ||out - want|| / ||want||, NaN-aware (any NaN gives inf).
-  - `unoptimized_compiles` (a module's `pytestmark`): its tests run with jax's
-    `jax_disable_most_optimizations` (restored after them). An interpret-mode attention kernel is a large
-    XLA program whose compile dominates its test (about a third less time on a CPU); the attention tests
-    compare within a tolerance, which XLA's optimisation passes do not approach. Not for the bit-exact
-    comparisons (test_rope_write_kv.py, test_add_rms_norm.py): unoptimised bf16 rounds differently there.
+  - `unoptimized_compiles` (tests/conftest.py) is a module's `pytestmark` here where an interpret-mode attention
+    kernel, a large XLA program, is compiled for each test (about a third less time on a CPU); the attention
+    tests compare within a tolerance, which XLA's optimisation passes do not approach.
 """
 
 from __future__ import annotations
@@ -21,18 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-
-@pytest.fixture(scope="module")
-def unoptimized_compiles():
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @dataclass

@@ -17,6 +17,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jaxserve.models.attention import PagedAttentionMetadata, init_paged_cache
 from jaxserve.models.registry import resolve
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 FAMILIES = {
     "llama3_tied": ("llama", {"tie_word_embeddings": True}),
     "mistral_window": ("mistral", {"sliding_window": 8}),

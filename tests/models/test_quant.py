@@ -14,6 +14,8 @@ from jaxserve.models import gemma, llama, llama_moe, quant, registry
 from jaxserve.models.attention import DenseAttentionMetadata, init_dense_cache
 from jaxserve.models.common import ParamSpec
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 # (einsum, weight shape, input shape): every projection of the families (wqkv, wo, gate/up, down).
 PRODUCTS = [
     ("td,dkge->tkge", (48, 2, 4, 16), (5, 48)),

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 SERVER_TESTS = Path(__file__).resolve().parent
 
 CHECK = textwrap.dedent(

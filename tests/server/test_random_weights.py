@@ -13,6 +13,8 @@ from jaxserve.cli import build_parser, served_llm
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.config import ServerConfig
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 FLAGS = ["--dtype=float32", "--max-seq-len=64", "--max-batch-size=4", "--max-num-tokens=16"]
 FLAGS += ["--decode-batch-sizes=4", "--token-buckets=16", "--no-penalty-variants"]
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8]]

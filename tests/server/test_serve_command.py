@@ -15,10 +15,13 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import requests
 
 from jaxserve.server import launch
 from jaxserve.server.config import ServerConfig
+
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
 
 REPO = Path(__file__).resolve().parents[2]
 # The server fixture's engine settings, so the process loads the steps that fixture compiled.

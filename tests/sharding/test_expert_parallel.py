@@ -20,6 +20,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.models.layers import LayerMlp
 from jaxserve.runner import EXPERT_PARALLEL_DEFAULT, resolve_expert_parallel
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 ENGINE_TESTS = Path(__file__).resolve().parents[1] / "engine"
 
 CHECK = textwrap.dedent(
