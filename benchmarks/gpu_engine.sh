@@ -34,7 +34,10 @@
 #                                             # lora_linears: lora_linears.py (the products alone, 5 ways);
 #                                             # lora_fold: batch 1's step profiled without adapters, with
 #                                             # a folded into the weights (the default), with separate tables,
-#                                             # then the rank-64 update folded and separate
+#                                             # then the rank-64 update folded and separate;
+#                                             # lora_pool: batch 1 with adapters at KV pools of
+#                                             # 0.9 and 0.8 of free memory and of 16,384 tokens,
+#                                             # then the update's parts (experiments/lora_update.py)
 #   bash benchmarks/gpu_engine.sh admission   # the two 512-request long jobs with --no-bucket-aware-admission
 #   bash benchmarks/gpu_engine.sh client      # host time per step under XLA's TFRT GPU client and jax's default
 #                                             # one (client_check.py: same tokens), batch 32 and 1024 x 128/128
@@ -205,6 +208,14 @@ case "${1:-}" in
     for how in fold separate; do
       BENCH_CMD="python3 benchmarks/experiments/lora_fold.py $how" bench_run lora_r64_$how 150 "${U[@]}"
     done
+    ;;
+  lora_pool)  # batch 1 with 4 rank-16 adapters, the KV pool from device memory at two free-memory fractions and
+    # capped at 16,384 tokens; then the rank-64 update's parts, folded and separate (experiments/lora_update.py)
+    B1=(latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 128 --num-iters 3 --lora-adapters 4 --max-lora-rank 16)
+    bench_run latency_b1_lora4_f09 150 "${B1[@]}" --kv-cache-free-memory-fraction 0.9
+    bench_run latency_b1_lora4_f08 150 "${B1[@]}" --kv-cache-free-memory-fraction 0.8
+    bench_run latency_b1_lora4_cap16k 150 "${B1[@]}" --kv-cache-max-tokens 16384
+    timeout 150 python3 benchmarks/experiments/lora_update.py --model $MODEL --rank 64 2>"$OUT/lora_update.log" | tee "$OUT/lora_update.txt"
     ;;
   lora_update)  # one rank-64 adapter on all seven projections: its update_lora time (lora.update_ms)
     bench_run latency_b1_lora_r64 200 latency --random-weights $MODEL --batch-size 1 --input-len 128 --output-len 16 --num-iters 1 --lora-adapters 1 --max-lora-rank 64
