@@ -66,7 +66,7 @@ def environment(devices: Sequence[jax.Device]) -> str:
     import jaxlib
 
     client = devices[0].client
-    options = {name: getattr(jax.config, name, None) for name in LOWERING_OPTIONS}
+    options = {name: _option(name) for name in LOWERING_OPTIONS}
     return repr(
         (
             FORMAT,
@@ -79,6 +79,12 @@ def environment(devices: Sequence[jax.Device]) -> str:
             sorted(options.items()),
         )
     )
+
+
+def _option(name: str) -> Any:
+    """A jax option's value: an attribute of jax.config for the options that have a context manager, `read` for
+    the others (jax_disable_most_optimizations: no attribute, so a getattr default would hide its value)."""
+    return getattr(jax.config, name) if hasattr(jax.config, name) else jax.config.read(name)
 
 
 def abstract_signature(args: Any) -> str:

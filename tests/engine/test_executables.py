@@ -74,6 +74,20 @@ def test_a_changed_source_or_flag_is_a_different_key(tmp_path, monkeypatch):
     assert ExecutableStore(tmp_path, jax.devices()[:1]).key("f", "s", _args()) != base
 
 
+@pytest.mark.parametrize("option", ["jax_disable_most_optimizations", "jax_default_matmul_precision"])
+def test_a_changed_jax_option_is_a_different_key(tmp_path, option):
+    """Both kinds of jax option: one read with jax.config.read (no attribute), one with a context manager."""
+    base = ExecutableStore(tmp_path, jax.devices()[:1]).key("f", "s", _args())
+    value = {"jax_disable_most_optimizations": True, "jax_default_matmul_precision": "highest"}[option]
+    before = getattr(jax.config, option) if hasattr(jax.config, option) else jax.config.read(option)
+    jax.config.update(option, value)
+    try:
+        assert ExecutableStore(tmp_path, jax.devices()[:1]).key("f", "s", _args()) != base
+    finally:
+        jax.config.update(option, before)
+    assert ExecutableStore(tmp_path, jax.devices()[:1]).key("f", "s", _args()) == base
+
+
 def test_an_unreadable_entry_is_logged_removed_and_compiled_again(tmp_path, caplog):
     calls = []
     store = ExecutableStore(tmp_path, jax.devices()[:1])
