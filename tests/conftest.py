@@ -20,9 +20,9 @@ import pytest
 
 # Longest first: the files over ~40 s of worker time in a full run with cold step stores (what CI runs: any edit of
 # the jaxserve source changes every stored step's key) on a 2-core CPU with two workers (per-file sums of
-# `--durations=0`, 2026-12-08, the files marked `unoptimized_compiles` compiled so): FP8 quality (~335: its FP8
-# weights + FP8 KV engine scores ~20 s a 512-token step on XLA:CPU), the notebooks (~155), completions (~115),
-# the two-process runs and the engine against the dense reference (~90-105), the backends, then the MoE meshes,
+# `--durations=0`, 2026-12-08, the files marked `unoptimized_compiles` compiled so): FP8 quality (~130-335: 335 in
+# a run where it loaded steps compiled unoptimised, a store-key bug fixed since), the notebooks (~155), completions
+# (~115), the two-process runs and the engine against the dense reference (~90-105), the backends, the MoE meshes,
 # attention tilings, FP8 engine, kernels, server load, Gemma 3 270M, sharding and model files of 40-70 s. A file of
 # ~100 s that happens to be collected last would otherwise keep one worker busy for that long after the other has
 # finished.
