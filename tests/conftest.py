@@ -106,10 +106,10 @@ def unoptimized_compiles() -> Iterator[None]:
     attention kernels (compared within a tolerance), the command-line, server, bench and tunix runs. Measured on a
     2-core CPU, two workers, cold step stores: the suite took 1,444 s optimised, 1,442 s with every file
     unoptimised (the files that run a real model over many tokens, FP8 perplexity, completions, the notebooks, got
-    slower by as much as the others gained), 1,296 s with the files marked so; the Python 3.12 run of .ci/run
-    221 -> 182 s. Not for bit-exact comparisons of bf16 kernels against their reference (test_rope_write_kv.py,
-    test_add_rms_norm.py: unoptimised bf16 rounds differently there). The step store keys executables by this
-    option too (jaxserve/executables.py), so the two kinds never mix."""
+    slower by as much as the others gained), 1,166 s with the files marked so (a clean-clone .ci/run); the Python
+    3.12 run of .ci/run 221 -> 182 s. Not for bit-exact comparisons of bf16 kernels against their reference
+    (test_rope_write_kv.py, test_add_rms_norm.py: unoptimised bf16 rounds differently there). The step store keys
+    executables by this option too (jaxserve/executables.py), so the two kinds never mix."""
     before = jax.config.read("jax_disable_most_optimizations")
     env_before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
     jax.config.update("jax_disable_most_optimizations", True)
