@@ -11,7 +11,6 @@ is kept, and a serial run runs the same tests.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -111,12 +110,8 @@ def unoptimized_compiles() -> Iterator[None]:
     (test_rope_write_kv.py, test_add_rms_norm.py: unoptimised bf16 rounds differently there). The step store keys
     executables by this option too (jaxserve/executables.py), so the two kinds never mix."""
     before = jax.config.read("jax_disable_most_optimizations")
-    env_before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
     jax.config.update("jax_disable_most_optimizations", True)
-    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+        yield
     jax.config.update("jax_disable_most_optimizations", before)
-    if env_before is None:
-        del os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"]
-    else:
-        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = env_before

@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 RECORD = HERE / "gemma3_270m_transformers.json"
 
 
-def test_module():
+def load_test_module():
+    """tests/models/test_gemma3_270m.py, for its prompts and token count."""
     spec = importlib.util.spec_from_file_location("test_gemma3_270m", HERE.parent / "test_gemma3_270m.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -34,7 +35,7 @@ def test_module():
 
 
 def record() -> dict:
-    test = test_module()
+    test = load_test_module()
     path = hub.resolve_model_source(hub.GEMMA3_270M).path
     # transformers reads the file with gguf's GGUFReader twice (the config, then the weights), ~13 s each for the
     # 262,144 vocabulary strings: one reader serves both.
